@@ -1,0 +1,146 @@
+"""Token streams: synthetic (default, no files) and byte-level text from local files.
+
+Every rank reads a disjoint, deterministic slice: at step s, rank r of w takes
+the global samples (s*w + r)*B ... (s*w + r)*B + B-1, so the union over ranks of
+one step is exactly what a single process with batch w*B would read. The
+position is one integer (`TokenStream.position`, steps consumed), saved by the
+checkpoint code through `state_dict()`.
+"""
+
+from __future__ import annotations
+
+import glob as globlib
+import hashlib
+import logging
+import os
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+log = logging.getLogger(__name__)
+
+_LANGUAGE_SEED = 1234  # fixes the synthetic "grammar", so runs with other seeds learn the same task
+
+
+class SyntheticTokens:
+    """A noisy deterministic walk: the next token is perm[token] with prob 1-noise,
+    else uniform. Loss can fall from ln(V) towards the noise entropy."""
+
+    def __init__(self, vocab_size: int, noise: float, seed: int):
+        self.vocab_size, self.noise, self.seed = vocab_size, noise, seed
+        self.next_token = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(_LANGUAGE_SEED))
+
+    def samples(self, first: int, count: int, length: int) -> torch.Tensor:
+        starts, breaks, random_tokens = [], [], []
+        for index in range(first, first + count):
+            g = torch.Generator().manual_seed((self.seed * 1_000_003 + index) % 2**63)
+            starts.append(torch.randint(self.vocab_size, (1,), generator=g))
+            breaks.append(torch.rand(length, generator=g) < self.noise)
+            random_tokens.append(torch.randint(self.vocab_size, (length,), generator=g))
+        breaks, random_tokens = torch.stack(breaks), torch.stack(random_tokens)
+        out = torch.empty(count, length, dtype=torch.long)
+        out[:, 0] = torch.cat(starts)
+        for t in range(1, length):
+            out[:, t] = torch.where(breaks[:, t], random_tokens[:, t], self.next_token[out[:, t - 1]])
+        return out
+
+
+class TextTokens:
+    """Non-overlapping windows of a byte array, visited in a seeded random order per epoch."""
+
+    def __init__(self, tokens: np.ndarray, seed: int):
+        self.tokens, self.seed = tokens, seed
+        self._epoch, self._order = -1, None
+
+    def samples(self, first: int, count: int, length: int) -> torch.Tensor:
+        windows = (len(self.tokens) - 1) // length
+        if windows < 1:
+            raise ValueError(f"the text corpus holds {len(self.tokens)} bytes, fewer than one window of "
+                             f"train.seq_len+1={length} bytes; lower train.seq_len or add files")
+        rows = []
+        for index in range(first, first + count):
+            epoch, i = divmod(index, windows)
+            if epoch != self._epoch:
+                g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+                self._epoch, self._order = epoch, torch.randperm(windows, generator=g)
+            start = int(self._order[i]) * length
+            rows.append(torch.from_numpy(self.tokens[start:start + length].astype(np.int64)))
+        return torch.stack(rows)
+
+
+class TokenStream:
+    """Batches of (inputs, targets) for one rank; `position` = steps consumed."""
+
+    def __init__(self, source, batch_size: int, seq_len: int, rank: int, world_size: int, device: torch.device):
+        self.source, self.batch_size, self.seq_len = source, batch_size, seq_len
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.position = 0
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        first = (self.position * self.world_size + self.rank) * self.batch_size
+        seqs = self.source.samples(first, self.batch_size, self.seq_len + 1).to(self.device, non_blocking=True)
+        self.position += 1
+        return seqs[:, :-1], seqs[:, 1:]
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = int(state["position"])
+
+
+def build_data(cfg: DictConfig, vocab_size: int, batch_size: int, seq_len: int, seed: int,
+               rank: int, world_size: int, device: torch.device) -> TokenStream:
+    if cfg.name == "synthetic":
+        source = SyntheticTokens(vocab_size, cfg.noise, seed)
+    elif cfg.name == "text":
+        source = TextTokens(load_text_corpus(cfg), seed)
+    else:
+        raise ValueError(f"data.name={cfg.name!r} is not a known data source (synthetic, text)")
+    return TokenStream(source, batch_size, seq_len, rank, world_size, device)
+
+
+def text_root(root: str | None) -> str:
+    """`data.root`, or the standard library's sources (present on every machine) when null."""
+    return os.path.expanduser(root) if root is not None else sysconfig.get_paths()["stdlib"]
+
+
+def text_files(cfg: DictConfig) -> list[str]:
+    root = text_root(cfg.root)
+    files = (p for p in globlib.iglob(os.path.join(root, cfg.glob), recursive=True) if os.path.isfile(p))
+    if cfg.root is None:  # the stdlib folder also holds installed packages; keep the stdlib alone
+        files = (p for p in files if "site-packages" not in p and "dist-packages" not in p)
+    return sorted(files)
+
+
+def load_text_corpus(cfg: DictConfig) -> np.ndarray:
+    """The corpus as a memory-mapped uint8 array, built once per machine and cached.
+
+    The cache name hashes the file list, sizes and mtimes, so edited files
+    rebuild it. Local rank 0 writes it (to a temp name, then an atomic rename);
+    the other ranks wait at a barrier and map the finished file.
+    """
+    files = text_files(cfg)
+    key = hashlib.sha1(repr([cfg.max_bytes] + [(p, os.path.getsize(p), os.path.getmtime(p)) for p in files])
+                       .encode()).hexdigest()[:16]
+    path = Path(os.path.expanduser(cfg.cache_dir)) / f"text-{key}.u8"
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0 and not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        written = 0
+        with open(tmp, "wb") as out:
+            for p in files:
+                if written >= cfg.max_bytes:
+                    break
+                data = Path(p).read_bytes()[: cfg.max_bytes - written]
+                out.write(data)
+                written += len(data)
+        os.replace(tmp, path)
+        log.info("cached %d bytes from %d files under %s at %s", written, len(files), text_root(cfg.root), path)
+    if dist.is_initialized():
+        dist.barrier()
+    return np.memmap(path, dtype=np.uint8, mode="r")

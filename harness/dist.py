@@ -1,0 +1,89 @@
+"""Process-group bootstrap: backend and device from what is there, threads, teardown."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+RUN_STAMP_ENV = "HARNESS_RUN_STAMP"  # read by hydra.run.dir / hydra.sweep.dir in conf/config.yaml
+_store: dist.Store | None = None  # the rendezvous store, reused by init_distributed
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def under_torchrun() -> bool:
+    """True in a process started by torchrun (or any launcher setting the env:// variables)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def agree_on_run_stamp() -> None:
+    """Make every torchrun rank compose the same Hydra run dir.
+
+    Ranks start seconds apart, so `${now:...}` differs between them. Before
+    Hydra composes, rank 0 publishes its timestamp in the rendezvous store and
+    all ranks export it as HARNESS_RUN_STAMP. The store is kept for
+    `init_distributed`, so there is one rendezvous, and no process group
+    exists before the config is validated.
+    """
+    global _store
+    _store, _, _ = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=600)))
+    key = "harness/run_stamp"
+    if int(os.environ["RANK"]) == 0:
+        _store.set(key, time.strftime("%Y-%m-%d/%H-%M-%S"))
+    os.environ[RUN_STAMP_ENV] = _store.get(key).decode()
+
+
+def init_distributed(device_name: str, timeout_s: int, threads_per_rank: int | None) -> DistEnv:
+    """Join (or, alone, create) the default process group: nccl on cuda, gloo on cpu."""
+    rank = int(os.environ.get("RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    use_cuda = device_name == "cuda" or (device_name == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        cores = len(os.sched_getaffinity(0))
+        torch.set_num_threads(threads_per_rank or max(1, cores // local_world_size))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    backend = "nccl" if use_cuda else "gloo"
+    if _store is not None:
+        dist.init_process_group(backend, store=_store, rank=rank, world_size=world_size, timeout=timeout)
+    elif "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+    else:  # a plain single process: a 1-rank group keeps one code path
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return DistEnv(rank, world_size, local_rank, local_world_size, device)
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def mean_over_ranks(value: torch.Tensor) -> float:
+    """The mean of a scalar over all ranks (gloo has no AVG, so SUM / world)."""
+    total = value.detach().float().clone()
+    dist.all_reduce(total)
+    return total.item() / dist.get_world_size()

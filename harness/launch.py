@@ -1,0 +1,88 @@
+"""How ranks come to exist: torchrun starts them, or `python train.py` starts
+`launcher.nproc` of them itself through torch's elastic launch API."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import uuid
+from pathlib import Path
+
+import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from harness.config import ConfigError, validate
+from harness.dist import agree_on_run_stamp, under_torchrun
+from harness.loop import run
+
+log = logging.getLogger("harness")
+LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
+
+
+def prepare_torchrun_rank(argv: list[str]) -> None:
+    """Before Hydra composes: agree on one run dir; only rank 0 writes `.hydra/`."""
+    if under_torchrun():
+        agree_on_run_stamp()
+        if int(os.environ["RANK"]) > 0:
+            argv.append("hydra.output_subdir=null")
+
+
+def main(cfg: DictConfig) -> None:
+    """The body of `train.py`'s Hydra entry point."""
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    torchrun = under_torchrun()
+    rank = int(os.environ["RANK"]) if torchrun else 0
+    world_size = int(os.environ["WORLD_SIZE"]) if torchrun else cfg.launcher.nproc
+    setup_logging(run_dir, rank)
+    try:
+        validate(cfg, world_size, torch.cuda.is_available())
+    except ConfigError as e:
+        if rank == 0:
+            print(f"harness: the config cannot run (world size {world_size}):\n\n{e}", file=sys.stderr)
+        sys.exit(2)
+    if torchrun or world_size == 1:
+        run(cfg, run_dir)
+    else:
+        launch_local(cfg, run_dir, world_size)
+
+
+def launch_local(cfg: DictConfig, run_dir: Path, nproc: int) -> None:
+    """Start `nproc` local ranks (fork, c10d rendezvous on a free port) and wait for them."""
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"harness-{uuid.uuid4().hex[:8]}",
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
+                          start_method="fork", monitor_interval=0.1)
+    log.info("starting %d local ranks (run dir %s)", nproc, run_dir)
+    try:
+        elastic_launch(config, worker)(OmegaConf.to_container(cfg, resolve=True), str(run_dir))
+    except ChildFailedError as e:
+        failed = ", ".join(f"rank {r} (exit {f.exitcode})" for r, f in sorted(e.failures.items()))
+        log.error("training failed: %s; see the traceback above and %s/logs/", failed, run_dir)
+        sys.exit(1)
+
+
+def worker(cfg: dict, run_dir: str) -> None:
+    """One locally launched rank; must live in an importable module for the launcher."""
+    setup_logging(Path(run_dir), int(os.environ["RANK"]))
+    run(OmegaConf.create(cfg), Path(run_dir))
+
+
+def setup_logging(run_dir: Path, rank: int) -> None:
+    """Rank 0 logs to stdout and `train.log`; other ranks to `logs/rank<N>.log` (warnings also to stderr)."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    root.setLevel(logging.INFO)
+    if rank == 0:
+        handlers = [logging.StreamHandler(sys.stdout), logging.FileHandler(run_dir / "train.log")]
+    else:
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        stderr = logging.StreamHandler(sys.stderr)
+        stderr.setLevel(logging.WARNING)
+        handlers = [logging.FileHandler(run_dir / "logs" / f"rank{rank}.log"), stderr]
+    for handler in handlers:
+        handler.setFormatter(logging.Formatter(LOG_FORMAT if rank == 0 else f"[rank {rank}]{LOG_FORMAT}"))
+        root.addHandler(handler)

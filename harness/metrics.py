@@ -1,0 +1,77 @@
+"""The metrics sink: every logged row goes to `metrics.jsonl` and to W&B.
+
+Only rank 0 writes; other ranks get a sink whose `log` does nothing. W&B runs
+offline by default inside the run dir; `WANDB_MODE` in the environment wins
+over `wandb.mode`. W&B trouble (no network, no key, unwritable dir) warns once
+and falls back - offline, then disabled - and never stops training.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class MetricsSink:
+    def __init__(self, run_dir: Path, wandb_cfg: Any, config: dict, enabled: bool):
+        self.enabled = enabled
+        self.rows = None
+        self.wandb_run = None
+        if not enabled:
+            return
+        self.rows = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        self.wandb_run = _start_wandb(run_dir, wandb_cfg, config)
+
+    def log(self, row: dict[str, float], step: int) -> None:
+        """One row for `step`; steps must increase (W&B drops lower ones)."""
+        if not self.enabled:
+            return
+        row = {"train/step": step, **row}
+        self.rows.write(json.dumps({"step": step, **row}) + "\n")
+        self.rows.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log(row, step=step)
+
+    def close(self) -> None:
+        if self.rows is not None:
+            self.rows.close()
+            self.rows = None
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+            self.wandb_run = None
+
+
+def _start_wandb(run_dir: Path, cfg: Any, config: dict):
+    import wandb
+
+    requested = os.environ.get("WANDB_MODE") or cfg.mode
+    for mode in dict.fromkeys([requested, "offline"]):  # requested first, then the offline fallback
+        if mode == "disabled":
+            return None
+        try:
+            run = wandb.init(mode=mode, dir=str(run_dir), project=cfg.project, entity=cfg.entity,
+                             group=cfg.group, name=cfg.name, tags=list(cfg.tags), config=config,
+                             settings=wandb.Settings(silent=True, console="off"))
+        except Exception as e:  # wandb raises many types (UsageError, CommError, OSError, ...)
+            log.warning("W&B mode=%s failed (%s: %s); %s", mode, type(e).__name__, str(e).splitlines()[0] if str(e) else "",
+                        "falling back to offline" if mode != "offline" else "continuing without W&B")
+            continue
+        run.define_metric("train/step")
+        run.define_metric("*", step_metric="train/step")
+        log.info("W&B run %s (%s) in %s", run.id, mode, run.dir)
+        return run
+    return None
+
+
+def memory_metrics(device: torch.device) -> dict[str, float]:
+    if device.type == "cuda":
+        return {"memory/cuda_max_allocated_gb": torch.cuda.max_memory_allocated(device) / 2**30}
+    return {"memory/max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}  # KiB on Linux

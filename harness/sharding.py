@@ -1,0 +1,41 @@
+"""Apply a sharding strategy to a meta-device model and materialise it.
+
+FSDP2 (`fully_shard`) covers every strategy but `ddp`: one call per block, then
+the root, on the (replicate, shard) mesh. A single-replica layout uses the
+`shard` sub-mesh; several replicas use the 2-D mesh (HSDP).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from omegaconf import DictConfig
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from harness.models import materialize
+
+RESHARD_AFTER_FORWARD = {"full_shard": True, "hybrid_shard": True,
+                         "shard_grad_op": False, "hybrid_shard_zero2": False, "no_shard": False}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def apply_sharding(model: nn.Module, mesh: DeviceMesh, cfg: DictConfig, device: torch.device, seed: int) -> nn.Module:
+    if cfg.strategy == "ddp":
+        materialize(model, device, seed)
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    fsdp_mesh = mesh if mesh["replicate"].size() > 1 else mesh["shard"]
+    policy = MixedPrecisionPolicy(param_dtype=resolve_dtype(cfg.param_dtype, device),
+                                  reduce_dtype=resolve_dtype(cfg.reduce_dtype, device))
+    reshard = RESHARD_AFTER_FORWARD[cfg.strategy]
+    for block in model.blocks:
+        fully_shard(block, mesh=fsdp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+    fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+    materialize(model, device, seed)
+    return model

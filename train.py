@@ -1,0 +1,21 @@
+"""Entry point: `python train.py [overrides]` or `torchrun --nproc-per-node N train.py [overrides]`."""
+
+import sys
+
+import hydra
+
+from harness.config import register_configs
+from harness.launch import main as harness_main
+from harness.launch import prepare_torchrun_rank
+
+register_configs()
+
+
+@hydra.main(version_base=None, config_path="conf", config_name="config")
+def main(cfg) -> None:
+    harness_main(cfg)
+
+
+if __name__ == "__main__":
+    prepare_torchrun_rank(sys.argv)
+    main()
