@@ -305,7 +305,7 @@ def _check_model_and_data(cfg: DictConfig) -> list[str]:
 
 
 def _divisor_near(n: int, k: int) -> int:
-    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: abs(d - k))
+    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: (abs(d - k), -d))
 
 
 def _check_optimizer(opt: DictConfig) -> list[str]:

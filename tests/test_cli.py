@@ -1,0 +1,81 @@
+"""The user-facing commands, end to end: real processes, real files, real W&B offline runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import FAST, REPO, check_ok, read_metrics, run_cli
+from wandb_reader import find_run_files, read_run
+
+pytestmark = pytest.mark.slow
+
+
+def _run_dirs(root):
+    return sorted(p.parent for p in root.glob("outputs/*/*/.hydra"))
+
+
+def test_mission_command_under_torchrun_writes_one_run_dir_with_metrics_and_wandb(tmp_path, cli_env):
+    """`torchrun --nproc-per-node 2 train.py optimizer=sgd averager.period=4`, rank 1 started 2.5 s late."""
+    cli_env.pop("WANDB_MODE")
+    args = ["optimizer=sgd", "averager.period=4", "train.steps=12", "train.log_every=3", "model.n_layer=2"]
+    proc = run_cli(args, cli_env, tmp_path, torchrun_nproc=2, script=REPO / "tests" / "delayed_rank.py")
+    check_ok(proc)
+    stamps = sorted(p for p in (tmp_path / "outputs").glob("*/*"))
+    assert len(stamps) == 1, f"ranks disagreed on the run dir: {stamps}"
+    [run_dir] = _run_dirs(tmp_path)
+    assert (run_dir / "train.log").exists() and (run_dir / "logs" / "rank1.log").exists()
+
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 3, 6, 9, 12]
+    assert rows[-1]["train/loss"] < rows[0]["train/loss"]
+    for key in ("train/loss", "train/lr", "train/grad_norm", "train/step_time_s", "train/tokens_per_s",
+                "memory/max_rss_gb", "train/step"):
+        assert all(key in r for r in rows), key
+    assert "step 12/12 | loss" in proc.stdout and "tok/s" in proc.stdout
+
+    [wandb_file] = find_run_files(run_dir / "wandb")
+    run = read_run(wandb_file)
+    history = [{k: v for k, v in row.items() if not k.startswith("_")} for row in run["history"]]
+    assert history == [{k: v for k, v in r.items() if k != "step"} for r in rows]
+    assert [row["_step"] for row in run["history"]] == [r["step"] for r in rows]
+    assert run["config"]["optimizer"]["_target_"] == "torch.optim.SGD"
+    assert run["config"]["averager"]["period"] == 4 and run["run"]["project"] == "harness"
+
+
+def test_python_train_py_starts_its_own_ranks(tmp_path, cli_env):
+    proc = run_cli([*FAST, "hydra.run.dir=run"], cli_env, tmp_path)
+    check_ok(proc)
+    assert "starting 2 local ranks" in proc.stdout and "'replicate': 2" in proc.stdout
+    assert (tmp_path / "run" / ".hydra" / "config.yaml").exists()
+    assert (tmp_path / "run" / "logs" / "rank1.log").exists()
+    assert len(read_metrics(tmp_path / "run")) == 8
+
+
+def test_hybrid_two_by_two_under_torchrun(tmp_path, cli_env):
+    proc = run_cli([*FAST, "sharding=hybrid_shard", "sharding.replicate=2", "optimizer=adamw", "hydra.run.dir=run"],
+                   cli_env, tmp_path, torchrun_nproc=4)
+    check_ok(proc)
+    assert "mesh {'replicate': 2, 'shard': 2}" in proc.stdout
+    rows = read_metrics(tmp_path / "run")
+    assert rows[-1]["train/loss"] < rows[0]["train/loss"]
+
+
+@pytest.mark.parametrize("args,error", [
+    (["averager.perod=4"], "Key 'perod' not in 'PeriodicAveragerConf'"),
+    (["train.steps=abc"], "Value 'abc' of type 'str' could not be converted to Integer"),
+    (["optimizer=sgdd"], "Could not find 'optimizer/sgdd'"),
+    (["+averager.perod=4"], "Unknown config key 'averager.perod'"),
+    (["sharding=full_shard"], "Fix: sharding=no_shard"),
+])
+def test_bad_input_fails_at_startup_with_a_message(args, error, tmp_path, cli_env):
+    proc = run_cli([*args, "hydra.run.dir=run"], cli_env, tmp_path)
+    assert proc.returncode != 0
+    assert error in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_config_error_under_torchrun_is_printed_once(tmp_path, cli_env):
+    proc = run_cli(["sharding=full_shard", "hydra.run.dir=run"], cli_env, tmp_path, torchrun_nproc=2)
+    assert proc.returncode != 0
+    assert proc.stderr.count("the config cannot run (world size 2)") == 1, proc.stderr

@@ -1,0 +1,141 @@
+"""Config composition and every `validate` rule (in-process, no torch.distributed)."""
+
+from __future__ import annotations
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from conftest import REPO
+from harness.config import ConfigError, register_configs, validate
+
+register_configs()
+CONF = REPO / "conf"
+GROUPS = ["model", "data", "optimizer", "averager", "sharding", "checkpoint", "wandb"]
+
+
+def make(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        return compose("config", overrides=list(overrides))
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
+def test_every_group_option_composes_into_its_schema(group, option):
+    cfg = make(f"{group}={option}", "averager=none")
+    node = cfg[group]
+    assert OmegaConf.get_type(node).__name__.endswith("Conf"), f"{group}={option} has no schema"
+    OmegaConf.to_object(node)  # every value converts to its declared type
+
+
+def test_default_config_is_valid_at_two_ranks_and_takes_averager_period():
+    validate(make(), world_size=2, cuda_available=False)
+    cfg = make("averager.period=4")
+    validate(cfg, world_size=2, cuda_available=False)
+    assert cfg.averager.period == 4 and cfg.launcher.nproc == 2
+
+
+def test_mission_configs_are_valid():
+    validate(make("optimizer=sgd", "averager.period=4"), world_size=2, cuda_available=False)
+    validate(make("sharding=hybrid_shard", "sharding.replicate=2", "optimizer=adamw"), world_size=4, cuda_available=False)
+
+
+@pytest.mark.parametrize("overrides,error", [
+    (["averager.perod=4"], "Key 'perod' not in 'PeriodicAveragerConf'"),
+    (["averager.period=abc"], "could not be converted to Integer"),
+    (["train.stepz=3"], "Key 'stepz' not in 'TrainConf'"),
+    (["optimizer=sgdd"], "Could not find 'optimizer/sgdd'"),
+])
+def test_hydra_rejects_typos_and_wrong_types_at_composition(overrides, error):
+    with pytest.raises(Exception) as info:
+        make(*overrides)
+    chain = f"{info.value}\n{info.value.__cause__}"  # Hydra wraps OmegaConf's message
+    assert error in chain, chain
+
+
+def test_schemas_are_not_listed_as_group_options():
+    with pytest.raises(Exception) as info:
+        make("averager=nope")
+    listed = str(info.value).split("Available options")[1].split("Config search path")[0]
+    assert "periodic" in listed and "schema" not in listed
+
+
+# (overrides, world size, cuda available, substrings the error must contain)
+RULES = [
+    (["+averager.perod=4"], 2, False, ["averager.perod", "PeriodicAveragerConf", "Valid keys", "drop the '+'"]),
+    (["+train.stepz=3"], 2, False, ["train.stepz", "TrainConf"]),
+    (["train.steps=0"], 2, False, ["train.steps=0", ">= 1"]),
+    (["train.batch_size=-1"], 2, False, ["train.batch_size=-1", ">= 1"]),
+    (["train.seq_len=1"], 2, False, ["train.seq_len=1", ">= 2"]),
+    (["train.log_every=0"], 2, False, ["train.log_every=0"]),
+    (["train.grad_clip=-1"], 2, False, ["train.grad_clip=-1.0", "train.grad_clip=0"]),
+    (["train.device=tpu"], 2, False, ["train.device='tpu'", "train.device=auto"]),
+    (["train.device=cuda"], 2, False, ["train.device=cuda", "is_available() is False", "train.device=cpu"]),
+    (["launcher.nproc=0"], 2, False, ["launcher.nproc=0"]),
+    (["launcher.nproc=100000"], 2, False, ["launcher.nproc=100000", "thrash"]),
+    (["dist.timeout_s=0"], 2, False, ["dist.timeout_s=0"]),
+    (["dist.threads_per_rank=0"], 2, False, ["dist.threads_per_rank=0", "null"]),
+    (["model.n_head=3"], 2, False, ["model.d_model=128", "model.n_head=3", "model.n_head=4"]),
+    (["model.n_layer=0"], 2, False, ["model.n_layer=0"]),
+    (["data.noise=1.5"], 2, False, ["data.noise=1.5", "[0, 1)"]),
+    (["data=text", "model.vocab_size=100"], 2, False, ["model.vocab_size=100", "byte-level", "model.vocab_size=256"]),
+    (["data=text", "data.glob=**/*.nothing-matches"], 2, False, ["data.glob='**/*.nothing-matches'", "matches no file"]),
+    (["data=text", "data.root=/no/such/dir"], 2, False, ["data.root='/no/such/dir'", "not a directory"]),
+    (["+optimizer.momentm=0.9"], 2, False, ["optimizer.momentm=0.9", "torch.optim.SGD", "momentum"]),
+    (["optimizer.lr=0"], 2, False, ["optimizer.lr=0", "positive"]),
+    (["optimizer._target_=torch.optim.Nope"], 2, False, ["optimizer._target_='torch.optim.Nope'", "cannot be imported"]),
+    (["optimizer._target_=torch.nn.Linear"], 2, False, ["torch.nn.Linear", "not a torch.optim.Optimizer"]),
+    (["sharding=hybrid_shard", "sharding.replicate=3"], 4, False, ["sharding.replicate=3", "world size 4", "[1, 2, 4]"]),
+    (["sharding=hybrid_shard", "sharding.replicate=null"], 4, False, ["sharding=hybrid_shard needs sharding.replicate"]),
+    (["sharding=full_shard", "sharding.replicate=2"], 4, False, ["sharding.replicate=2 conflicts with sharding=full_shard"]),
+    (["sharding=ddp", "sharding.param_dtype=bfloat16"], 2, False, ["sharding.param_dtype=bfloat16", "sharding=no_shard"]),
+    (["sharding.reduce_dtype=float8"], 2, False, ["sharding.reduce_dtype='float8'"]),
+    (["sharding.strategy=zero3"], 2, False, ["sharding.strategy='zero3'", "full_shard"]),
+    (["sharding=full_shard"], 4, False, ["averager=periodic", "1 replica", "sharding=hybrid_shard sharding.replicate=2",
+                                         "averager=none"]),
+    (["sharding=full_shard"], 2, False, ["averager=periodic", "Fix: sharding=no_shard"]),
+    (["sharding=no_shard"], 1, False, ["averager=periodic", "launcher.nproc=2"]),
+    (["averager.period=0"], 2, False, ["averager.period=0", ">= 1"]),
+    (["averager.warmup_steps=-1"], 2, False, ["averager.warmup_steps=-1", ">= 0"]),
+    (["checkpoint=sharded", "checkpoint.interval=0"], 2, False, ["checkpoint.interval=0"]),
+    (["checkpoint=full", "checkpoint.keep=0"], 2, False, ["checkpoint.keep=0"]),
+    (["checkpoint.mode=sometimes"], 2, False, ["checkpoint.mode='sometimes'", "checkpoint=none|full|sharded"]),
+    (["wandb.mode=loud"], 2, False, ["wandb.mode='loud'", "wandb.mode=offline"]),
+]
+
+
+@pytest.mark.parametrize("overrides,world_size,cuda,expected", RULES, ids=[" ".join(r[0]) + f"@{r[1]}" for r in RULES])
+def test_validate_names_key_value_and_fix(overrides, world_size, cuda, expected):
+    if "optimizer" in overrides[0] and "momentm" in overrides[0]:
+        overrides = ["optimizer=sgd", *overrides]
+    with pytest.raises(ConfigError) as info:
+        validate(make(*overrides), world_size=world_size, cuda_available=cuda)
+    message = str(info.value)
+    for text in expected:
+        assert text in message, f"{text!r} not in:\n{message}"
+    assert "Fix:" in message
+
+
+def test_validate_reports_every_broken_rule_at_once():
+    with pytest.raises(ConfigError) as info:
+        validate(make("train.steps=0", "averager.period=0"), world_size=2, cuda_available=False)
+    assert "train.steps=0" in str(info.value) and "averager.period=0" in str(info.value)
+
+
+def test_any_torch_optim_class_is_one_yaml_file_away(tmp_path):
+    import torch
+
+    from harness.optim import build_optimizer
+
+    (tmp_path / "optimizer").mkdir()
+    (tmp_path / "optimizer" / "rmsprop.yaml").write_text("_target_: torch.optim.RMSprop\n_partial_: true\nlr: 0.01\nalpha: 0.9\n")
+    cfg = make(f"hydra.searchpath=[file://{tmp_path}]", "optimizer=rmsprop")
+    validate(cfg, world_size=2, cuda_available=False)
+    optimizer = build_optimizer(cfg.optimizer, torch.nn.Linear(2, 2))
+    assert isinstance(optimizer, torch.optim.RMSprop) and optimizer.defaults["alpha"] == 0.9
+    with pytest.raises(ConfigError, match="optimizer.alpah=0.9 is not an argument of torch.optim.RMSprop"):
+        validate(make(f"hydra.searchpath=[file://{tmp_path}]", "optimizer=rmsprop", "+optimizer.alpah=0.9"),
+                 world_size=2, cuda_available=False)
