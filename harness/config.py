@@ -136,6 +136,18 @@ class PeriodicAveragerConf:
     warmup_steps: int = 10  # ... after this many fully synchronous steps
 
 
+@dataclass
+class HierarchicalAveragerConf:
+    name: str = "hierarchical"
+    # [period, replicas per group] pairs: PyTorch's HierarchicalModelAverager
+    # `period_group_size_dict` as a list, because Hydra merges a dict override
+    # into the old dict instead of replacing it. At a step past warmup the
+    # largest period dividing the step wins: [[2, 2], [8, 4]] averages pairs of
+    # replicas every 2 steps and all 4 replicas every 8.
+    period_group_size: List[List[int]] = field(default_factory=lambda: [[2, 2], [8, 4]])
+    warmup_steps: int = 10
+
+
 # --- sharding -------------------------------------------------------------------
 
 
@@ -193,7 +205,8 @@ def register_configs() -> None:
         "model": {"gpt": GPTConf, "mlp": MLPConf},
         "data": {"synthetic": SyntheticDataConf, "text": TextDataConf},
         "optimizer": {"sgd": SGDConf, "adam": AdamConf, "adamw": AdamWConf},
-        "averager": {"none": NoAveragerConf, "periodic": PeriodicAveragerConf},
+        "averager": {"none": NoAveragerConf, "periodic": PeriodicAveragerConf,
+                     "hierarchical": HierarchicalAveragerConf},
         "sharding": {"sharding": ShardingConf},
         "checkpoint": {"checkpoint": CheckpointConf},
         "wandb": {"wandb": WandbConf},
@@ -353,8 +366,11 @@ def _check_sharding_and_averager(cfg: DictConfig, world_size: int) -> list[str]:
     except ValueError as e:
         return errors + [str(e)]
     if avg.name != "none":
-        errors += _at_least(cfg, "averager.period", 1, "averager.period=4 averages every 4 steps")
+        if avg.name == "periodic":
+            errors += _at_least(cfg, "averager.period", 1, "averager.period=4 averages every 4 steps")
         errors += _at_least(cfg, "averager.warmup_steps", 0, "averager.warmup_steps=0 starts local SGD at once")
+        if avg.name == "hierarchical" and replicate >= 2:
+            errors += _check_hierarchy([list(pair) for pair in avg.period_group_size], replicate)
         if replicate < 2:
             fix = ("sharding=hybrid_shard sharding.replicate=2" if world_size >= 4 and world_size % 2 == 0
                    else "sharding=no_shard" if world_size >= 2 else "launcher.nproc=2 (or torchrun with 2+ ranks)")
@@ -363,6 +379,26 @@ def _check_sharding_and_averager(cfg: DictConfig, world_size: int) -> list[str]:
                 f"size {world_size} has {replicate} replica (mesh replicate={replicate}); inside a replica the ranks "
                 f"hold different shards, so there is nothing to average. Fix: {fix}, or averager=none.")
     return errors
+
+
+def _check_hierarchy(pairs: list[list[int]], replicas: int) -> list[str]:
+    key = f"averager.period_group_size={pairs}".replace(" ", "")
+    example = f"averager.period_group_size=[[2,2],[8,{replicas}]]" if replicas > 2 else "averager.period_group_size=[[4,2]]"
+    if not pairs or any(len(pair) != 2 for pair in pairs):
+        return [f"{key} must be a non-empty list of [period, group_size] pairs. Fix: e.g. {example}."]
+    periods, sizes = [p for p, _ in pairs], [g for _, g in pairs]
+    problems = []
+    if any(p < 1 for p in periods) or periods != sorted(set(periods)):
+        problems.append("periods (the first numbers) must be >= 1 and strictly increasing")
+    if any(g < 1 or replicas % g for g in sizes):
+        problems.append(f"every group size must divide the replica count {replicas}")
+    elif any(b % a for a, b in zip(sizes, sizes[1:])):
+        problems.append("each group size must divide the next (groups nest)")
+    if sizes and sizes[-1] != replicas:
+        problems.append(f"the largest period must average all {replicas} replicas (last group size = {replicas})")
+    if problems:
+        return [f"{key} is not a valid hierarchy: {'; '.join(problems)}. Fix: e.g. {example}."]
+    return []
 
 
 def _check_checkpoint_and_wandb(cfg: DictConfig) -> list[str]:

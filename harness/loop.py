@@ -10,7 +10,9 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.device_mesh import DeviceMesh
 
+from harness.averaging import CrossReplica, setup_cross_replica
 from harness.data import TokenStream, build_data
 from harness.dist import DistEnv, init_distributed, mean_over_ranks, teardown
 from harness.mesh import build_mesh
@@ -29,52 +31,75 @@ class TrainState:
     step: int = 0
 
 
+@dataclass
+class Job:
+    """Everything one rank trains with, assembled from the config."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    data: TokenStream
+    mesh: DeviceMesh
+    cross_replica: CrossReplica | None  # None when there is a single replica
+
+
+def build_job(cfg: DictConfig, env: DistEnv) -> Job:
+    mesh = build_mesh(cfg.sharding.strategy, cfg.sharding.replicate, env.world_size, env.device.type)
+    model = build_model(cfg.model, cfg.train.seq_len)
+    local_sgd = cfg.averager.name != "none"
+    model = apply_sharding(model, mesh, cfg.sharding, env.device, cfg.train.seed, replicas_train_alone=local_sgd)
+    optimizer = build_optimizer(cfg.optimizer, model)
+    optimizer, cross_replica = setup_cross_replica(model, optimizer, mesh, cfg.averager)
+    data = build_data(cfg.data, cfg.model.vocab_size, cfg.train.batch_size, cfg.train.seq_len,
+                      cfg.train.seed, env.rank, env.world_size, env.device)
+    return Job(model, optimizer, data, mesh, cross_replica)
+
+
 def run(cfg: DictConfig, run_dir: Path) -> None:
     """One rank of the job described by `cfg` (already validated)."""
     env = init_distributed(cfg.train.device, cfg.dist.timeout_s, cfg.dist.threads_per_rank)
     sink = None
     try:
-        mesh = build_mesh(cfg.sharding.strategy, cfg.sharding.replicate, env.world_size, env.device.type)
-        model = build_model(cfg.model, cfg.train.seq_len)
-        model = apply_sharding(model, mesh, cfg.sharding, env.device, cfg.train.seed)
-        optimizer = build_optimizer(cfg.optimizer, model)
-        data = build_data(cfg.data, cfg.model.vocab_size, cfg.train.batch_size, cfg.train.seq_len,
-                          cfg.train.seed, env.rank, env.world_size, env.device)
+        job = build_job(cfg, env)
         sink = MetricsSink(run_dir, cfg.wandb, OmegaConf.to_container(cfg, resolve=True), enabled=env.is_main)
-        log.info("world %d, mesh %s, %s parameters, device %s", env.world_size, dict(zip(mesh.mesh_dim_names, mesh.shape)),
-                 f"{sum(p.numel() for p in model.parameters()):,}", env.device)
-        train(model, optimizer, data, sink, cfg.train, env, TrainState())
+        log.info("world %d, mesh %s, %s parameters, device %s", env.world_size,
+                 dict(zip(job.mesh.mesh_dim_names, job.mesh.shape)),
+                 f"{sum(p.numel() for p in job.model.parameters()):,}", env.device)
+        train(job, sink, cfg.train, env, TrainState())
     finally:
         if sink is not None:
             sink.close()
         teardown()
 
 
-def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, data: TokenStream, sink: MetricsSink,
-          cfg: DictConfig, env: DistEnv, state: TrainState) -> None:
+def train(job: Job, sink: MetricsSink, cfg: DictConfig, env: DistEnv, state: TrainState) -> None:
+    """Train until `cfg.steps` steps are done: forward, backward, step (+ averaging), log."""
+    model, optimizer = job.model, job.optimizer
     tokens_per_step = cfg.batch_size * cfg.seq_len * env.world_size
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
     last_time, last_step = time.perf_counter(), state.step
     while state.step < cfg.steps:
-        inputs, targets = data.next_batch()
+        inputs, targets = job.data.next_batch()
         loss = model(inputs, targets)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        optimizer.step()
+        optimizer.step()  # with an averager: the local step, then maybe averaging across replicas
         optimizer.zero_grad(set_to_none=True)
         state.step += 1
 
+        row = job.cross_replica.step_metrics() if job.cross_replica is not None else {}
         if state.step == 1 or state.step % cfg.log_every == 0 or state.step == cfg.steps:
             mean_loss = mean_over_ranks(loss)  # also waits for the device, so the clock below is honest
             step_time = (time.perf_counter() - last_time) / (state.step - last_step)
-            row = {"train/loss": mean_loss, "train/lr": optimizer.param_groups[0]["lr"],
-                   "train/grad_norm": _scalar(grad_norm), "train/step_time_s": step_time,
-                   "train/tokens_per_s": tokens_per_step / step_time, **memory_metrics(env.device)}
+            row.update({"train/loss": mean_loss, "train/lr": optimizer.param_groups[0]["lr"],
+                        "train/grad_norm": _scalar(grad_norm), "train/step_time_s": step_time,
+                        "train/tokens_per_s": tokens_per_step / step_time, **memory_metrics(env.device)})
             sink.log(row, state.step)
             if env.is_main:
                 log.info("step %d/%d | loss %.4f | %s tok/s | %.3f s/step", state.step, cfg.steps, mean_loss,
                          f"{row['train/tokens_per_s']:,.0f}", step_time)
             last_time, last_step = time.perf_counter(), state.step
+        elif row.get("averager/averaged"):  # every averaging step gets a row, so none is missed
+            sink.log(row, state.step)
 
 
 def _scalar(t: torch.Tensor) -> float:

@@ -2,7 +2,9 @@
 
 FSDP2 (`fully_shard`) covers every strategy but `ddp`: one call per block, then
 the root, on the (replicate, shard) mesh. A single-replica layout uses the
-`shard` sub-mesh; several replicas use the 2-D mesh (HSDP).
+`shard` sub-mesh; several replicas use the 2-D mesh (native HSDP), unless the
+replicas train on their own (post-local SGD): then each replica is sharded on
+`shard` alone and `harness.averaging` decides what crosses replicas.
 """
 
 from __future__ import annotations
@@ -26,11 +28,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
-def apply_sharding(model: nn.Module, mesh: DeviceMesh, cfg: DictConfig, device: torch.device, seed: int) -> nn.Module:
+def apply_sharding(model: nn.Module, mesh: DeviceMesh, cfg: DictConfig, device: torch.device, seed: int,
+                   replicas_train_alone: bool = False) -> nn.Module:
     if cfg.strategy == "ddp":
         materialize(model, device, seed)
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    fsdp_mesh = mesh if mesh["replicate"].size() > 1 else mesh["shard"]
+    fsdp_mesh = mesh if mesh["replicate"].size() > 1 and not replicas_train_alone else mesh["shard"]
     policy = MixedPrecisionPolicy(param_dtype=resolve_dtype(cfg.param_dtype, device),
                                   reduce_dtype=resolve_dtype(cfg.reduce_dtype, device))
     reshard = RESHARD_AFTER_FORWARD[cfg.strategy]
