@@ -43,12 +43,10 @@ from harness.config import register_configs, validate  # noqa: E402
 from harness.data import build_data  # noqa: E402
 from harness.dist import init_distributed, teardown  # noqa: E402
 from harness.launch import setup_logging  # noqa: E402
-from harness.loop import TrainState, train  # noqa: E402
-from harness.mesh import build_mesh  # noqa: E402
+from harness.loop import TrainState, build_job, train  # noqa: E402
 from harness.metrics import MetricsSink  # noqa: E402
 from harness.models import build_model, materialize  # noqa: E402
-from harness.optim import build_optimizer  # noqa: E402
-from harness.sharding import RESHARD_AFTER_FORWARD, apply_sharding  # noqa: E402
+from harness.sharding import RESHARD_AFTER_FORWARD  # noqa: E402
 
 FSDP_STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "hybrid_shard_zero2", "no_shard")
 TARGET = 1.03
@@ -68,7 +66,7 @@ def compose_config(args: argparse.Namespace):
 
 
 def build_minimal(cfg, mesh, device):
-    """The hand-written counterpart of build_model + apply_sharding + build_optimizer + build_data."""
+    """The hand-written counterpart of `harness.loop.build_job` (model, FSDP2, AdamW, data)."""
     model = build_model(cfg.model, cfg.train.seq_len)
     fsdp_mesh = mesh if mesh["replicate"].size() > 1 else mesh["shard"]
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
@@ -101,24 +99,18 @@ def worker(cfg_dict: dict, rounds: int, steps_per_round: int, command: str) -> N
     run_dir = Path(tempfile.mkdtemp(prefix="harness-bench-"))
     setup_logging(run_dir, env.rank)  # the harness logs exactly as under train.py (stdout + train.log on rank 0)
     try:
-        mesh = build_mesh(cfg.sharding.strategy, cfg.sharding.replicate, env.world_size, env.device.type)
-
-        # (a) the harness path
-        h_model = apply_sharding(build_model(cfg.model, cfg.train.seq_len), mesh, cfg.sharding, env.device,
-                                 cfg.train.seed)
-        h_optimizer = build_optimizer(cfg.optimizer, h_model)
-        h_data = build_data(cfg.data, cfg.model.vocab_size, cfg.train.batch_size, cfg.train.seq_len,
-                            cfg.train.seed, env.rank, env.world_size, env.device)
+        # (a) the harness path: its own assembly (mesh, model, sharding, optimizer, data) and loop
+        job = build_job(cfg, env)
         sink = MetricsSink(run_dir, cfg.wandb, cfg_dict, enabled=False)
         train_cfg, state = cfg.train.copy(), TrainState()
 
-        # (b) the minimal path
-        m_model, m_optimizer, m_data = build_minimal(cfg, mesh, env.device)
+        # (b) the minimal path, on the same mesh
+        m_model, m_optimizer, m_data = build_minimal(cfg, job.mesh, env.device)
         max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
 
         def run_harness() -> None:
             train_cfg.steps = state.step + steps_per_round
-            train(h_model, h_optimizer, h_data, sink, train_cfg, env, state)
+            train(job, sink, train_cfg, env, state)
 
         def run_minimal() -> None:
             minimal_steps(m_model, m_optimizer, m_data, steps_per_round, max_norm)
@@ -138,12 +130,12 @@ def worker(cfg_dict: dict, rounds: int, steps_per_round: int, command: str) -> N
                 times[name].append((time.perf_counter() - start) / steps_per_round)
 
         diff = torch.zeros(())
-        for hp, mp in zip(h_model.parameters(), m_model.parameters(), strict=True):
+        for hp, mp in zip(job.model.parameters(), m_model.parameters(), strict=True):
             diff = torch.maximum(diff, (hp.to_local() - mp.to_local()).abs().max().cpu())
         dist.all_reduce(diff, op=dist.ReduceOp.MAX)
 
         if env.is_main:
-            report(cfg, env, mesh, h_model, times, orders, steps_per_round, command, diff.item())
+            report(cfg, env, job.mesh, job.model, times, orders, steps_per_round, command, diff.item())
     finally:
         teardown()
 

@@ -100,6 +100,17 @@ RULES = [
     (["sharding=no_shard"], 1, False, ["averager=periodic", "launcher.nproc=2"]),
     (["averager.period=0"], 2, False, ["averager.period=0", ">= 1"]),
     (["averager.warmup_steps=-1"], 2, False, ["averager.warmup_steps=-1", ">= 0"]),
+    (["averager=hierarchical", "sharding=no_shard"], 2, False,
+     ["averager.period_group_size=[[2,2],[8,4]]", "divide the replica count 2", "averager.period_group_size=[[4,2]]"]),
+    (["averager=hierarchical", "sharding=no_shard", "averager.period_group_size=[[8,4],[2,2]]"], 4, False,
+     ["strictly increasing", "last group size = 4"]),
+    (["averager=hierarchical", "sharding=no_shard", "averager.period_group_size=[[2,2],[8,2]]"], 4, False,
+     ["the largest period must average all 4 replicas"]),
+    (["averager=hierarchical", "sharding=no_shard", "averager.period_group_size=[[2,2],[4,3],[8,6]]"], 6, False,
+     ["each group size must divide the next"]),
+    (["averager=hierarchical", "sharding=no_shard", "averager.period_group_size=[[2]]"], 4, False,
+     ["list of [period, group_size] pairs"]),
+    (["averager=hierarchical", "sharding=full_shard"], 4, False, ["averager=hierarchical", "1 replica"]),
     (["checkpoint=sharded", "checkpoint.interval=0"], 2, False, ["checkpoint.interval=0"]),
     (["checkpoint=full", "checkpoint.keep=0"], 2, False, ["checkpoint.keep=0"]),
     (["checkpoint.mode=sometimes"], 2, False, ["checkpoint.mode='sometimes'", "checkpoint=none|full|sharded"]),
@@ -117,6 +128,12 @@ def test_validate_names_key_value_and_fix(overrides, world_size, cuda, expected)
     for text in expected:
         assert text in message, f"{text!r} not in:\n{message}"
     assert "Fix:" in message
+
+
+def test_valid_hierarchies_pass():
+    validate(make("averager=hierarchical", "sharding=no_shard"), world_size=4, cuda_available=False)
+    validate(make("averager=hierarchical", "sharding=hybrid_shard", "sharding.replicate=4",
+                  "averager.period_group_size=[[4,2],[16,4]]"), world_size=8, cuda_available=False)
 
 
 def test_validate_reports_every_broken_rule_at_once():
