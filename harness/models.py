@@ -112,7 +112,7 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
     for module_name, module in model.named_modules():
         for name, param in module.named_parameters(recurse=False):
             fqn = f"{module_name}.{name}" if module_name else name
-            full = _initial_value(module, name, fqn, tuple(param.shape), seed, n_layer)
+            full = _initial_value(module, name, fqn, tuple(param.shape), seed, n_layer).to(device)
             if isinstance(param, DTensor):
                 local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
                 param.to_local().copy_(local.to_local())
