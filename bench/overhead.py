@@ -39,7 +39,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from harness.config import register_configs, validate  # noqa: E402
+from harness.config import ConfigError, register_configs, validate  # noqa: E402
 from harness.data import build_data  # noqa: E402
 from harness.dist import init_distributed, teardown  # noqa: E402
 from harness.launch import setup_logging  # noqa: E402
@@ -59,7 +59,10 @@ def compose_config(args: argparse.Namespace):
                  *args.overrides]
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         cfg = compose("config", overrides=overrides)
-    validate(cfg, args.nproc, torch.cuda.is_available())
+    try:
+        validate(cfg, args.nproc, torch.cuda.is_available())
+    except ConfigError as e:
+        raise SystemExit(f"bench/overhead.py: the config cannot run:\n\n{e}") from None
     if cfg.optimizer._target_ != "torch.optim.AdamW":
         raise SystemExit("bench/overhead.py: the minimal loop uses AdamW; drop the optimizer override")
     return cfg
@@ -96,12 +99,12 @@ def minimal_steps(model, optimizer, data, steps: int, max_norm: float) -> None:
 def worker(cfg_dict: dict, rounds: int, steps_per_round: int, command: str) -> None:
     cfg = OmegaConf.create(cfg_dict)
     env = init_distributed(cfg.train.device, cfg.dist.timeout_s, cfg.dist.threads_per_rank)
-    run_dir = Path(tempfile.mkdtemp(prefix="harness-bench-"))
-    setup_logging(run_dir, env.rank)  # the harness logs exactly as under train.py (stdout + train.log on rank 0)
+    run_dir = tempfile.TemporaryDirectory(prefix="harness-bench-")
+    setup_logging(Path(run_dir.name), env.rank)  # the harness logs as under train.py: stdout + train.log on rank 0
     try:
         # (a) the harness path: its own assembly (mesh, model, sharding, optimizer, data) and loop
         job = build_job(cfg, env)
-        sink = MetricsSink(run_dir, cfg.wandb, cfg_dict, enabled=False)
+        sink = MetricsSink(Path(run_dir.name), cfg.wandb, cfg_dict, enabled=False)
         train_cfg, state = cfg.train.copy(), TrainState()
 
         # (b) the minimal path, on the same mesh
@@ -115,7 +118,8 @@ def worker(cfg_dict: dict, rounds: int, steps_per_round: int, command: str) -> N
         def run_minimal() -> None:
             minimal_steps(m_model, m_optimizer, m_data, steps_per_round, max_norm)
 
-        times = {"harness": [], "minimal": []}
+        paths = {"harness": run_harness, "minimal": run_minimal}
+        times = {name: [] for name in paths}
         orders = []
         for r in range(rounds):
             order = ("harness", "minimal") if r % 2 == 0 else ("minimal", "harness")
@@ -123,7 +127,7 @@ def worker(cfg_dict: dict, rounds: int, steps_per_round: int, command: str) -> N
             for name in order:
                 dist.barrier()
                 start = time.perf_counter()
-                run_harness() if name == "harness" else run_minimal()
+                paths[name]()
                 if env.device.type == "cuda":
                     torch.cuda.synchronize()
                 dist.barrier()
@@ -138,6 +142,7 @@ def worker(cfg_dict: dict, rounds: int, steps_per_round: int, command: str) -> N
             report(cfg, env, job.mesh, job.model, times, orders, steps_per_round, command, diff.item())
     finally:
         teardown()
+        run_dir.cleanup()
 
 
 def report(cfg, env, mesh, model, times, orders, steps_per_round, command, diff) -> None:
@@ -162,6 +167,9 @@ def report(cfg, env, mesh, model, times, orders, steps_per_round, command, diff)
     h_med, m_med = (statistics.median(times[k][1:]) for k in ("harness", "minimal"))
     print(f"\nmedian step time: harness {h_med * 1e3:.2f} ms, minimal {m_med * 1e3:.2f} ms")
     print(f"per-round ratio:  min {min(ratios):.3f}, max {max(ratios):.3f}")
+    h_min, m_min = (min(times[k][1:]) for k in ("harness", "minimal"))
+    print(f"fastest round:    harness {h_min * 1e3:.2f} ms, minimal {m_min * 1e3:.2f} ms, ratio {h_min / m_min:.3f}"
+          " (least disturbed by other load)")
     print(f"final parameters: max |harness - minimal| = {diff:.3g}"
           f" ({'identical' if diff == 0 else 'DIFFERENT: the two paths did not do the same work'})")
     median = statistics.median(ratios)

@@ -17,7 +17,8 @@ def _run_dirs(root):
 def test_mission_command_under_torchrun_writes_one_run_dir_with_metrics_and_wandb(tmp_path, cli_env):
     """`torchrun --nproc-per-node 2 train.py optimizer=sgd averager.period=4`, rank 1 started 2.5 s late."""
     cli_env.pop("WANDB_MODE")
-    args = ["optimizer=sgd", "averager.period=4", "train.steps=12", "train.log_every=3", "model.n_layer=2"]
+    args = ["optimizer=sgd", "averager.period=4", "averager.warmup_steps=2", "train.steps=12", "train.log_every=3",
+            "model.n_layer=2"]
     proc = run_cli(args, cli_env, tmp_path, torchrun_nproc=2, script=REPO / "tests" / "delayed_rank.py")
     check_ok(proc)
     stamps = sorted(p for p in (tmp_path / "outputs").glob("*/*"))
@@ -26,11 +27,15 @@ def test_mission_command_under_torchrun_writes_one_run_dir_with_metrics_and_wand
     assert (run_dir / "train.log").exists() and (run_dir / "logs" / "rank1.log").exists()
 
     rows = read_metrics(run_dir)
-    assert [r["step"] for r in rows] == [1, 3, 6, 9, 12]
-    assert rows[-1]["train/loss"] < rows[0]["train/loss"]
+    # log steps 1, 3, 6, 9, 12 plus every averaging step (after 0-based iterations 2, 6, 10)
+    assert [r["step"] for r in rows] == [1, 3, 6, 7, 9, 11, 12]
+    assert [r["step"] for r in rows if r["averager/averaged"]] == [3, 7, 11]
+    log_rows = [r for r in rows if r["step"] in (1, 3, 6, 9, 12)]
+    assert log_rows[-1]["train/loss"] < log_rows[0]["train/loss"]
     for key in ("train/loss", "train/lr", "train/grad_norm", "train/step_time_s", "train/tokens_per_s",
-                "memory/max_rss_gb", "train/step"):
-        assert all(key in r for r in rows), key
+                "memory/max_rss_gb", "comm/grad_sync_bytes", "averager/step"):
+        assert all(key in r for r in log_rows), key
+    assert all(r["averager/drift"] > 0 for r in rows if r["averager/averaged"])
     assert "step 12/12 | loss" in proc.stdout and "tok/s" in proc.stdout
 
     [wandb_file] = find_run_files(run_dir / "wandb")
