@@ -114,6 +114,8 @@ RULES = [
     (["checkpoint=sharded", "checkpoint.interval=0"], 2, False, ["checkpoint.interval=0"]),
     (["checkpoint=full", "checkpoint.keep=0"], 2, False, ["checkpoint.keep=0"]),
     (["checkpoint.mode=sometimes"], 2, False, ["checkpoint.mode='sometimes'", "checkpoint=none|full|sharded"]),
+    (["checkpoint=sharded"], 2, False, ["checkpoint=sharded", "not implemented", "Fix: checkpoint=none"]),
+    (["checkpoint=full"], 2, False, ["checkpoint=full", "not implemented"]),
     (["wandb.mode=loud"], 2, False, ["wandb.mode='loud'", "wandb.mode=offline"]),
 ]
 
