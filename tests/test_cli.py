@@ -84,3 +84,17 @@ def test_config_error_under_torchrun_is_printed_once(tmp_path, cli_env):
     proc = run_cli(["sharding=full_shard", "hydra.run.dir=run"], cli_env, tmp_path, torchrun_nproc=2)
     assert proc.returncode != 0
     assert proc.stderr.count("the config cannot run (world size 2)") == 1, proc.stderr
+
+
+def test_text_data_on_two_ranks_builds_the_cache_once(tmp_path, cli_env):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name in ("a", "b"):
+        (corpus / f"{name}.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    proc = run_cli([*FAST, "data=text", f"data.root={corpus}", "data.glob=*.txt", f"data.cache_dir={tmp_path / 'cache'}",
+                    "hydra.run.dir=run"], cli_env, tmp_path)
+    check_ok(proc)
+    assert proc.stdout.count("cached 18000 bytes from 2 files") == 1
+    assert len(list((tmp_path / "cache").iterdir())) == 1
+    rows = read_metrics(tmp_path / "run")
+    assert rows[-1]["train/loss"] < rows[0]["train/loss"]
