@@ -75,31 +75,33 @@ def train(job: Job, sink: MetricsSink, cfg: DictConfig, env: DistEnv, state: Tra
     """Train until `cfg.steps` steps are done: forward, backward, step (+ averaging), log."""
     model, optimizer = job.model, job.optimizer
     tokens_per_step = cfg.batch_size * cfg.seq_len * env.world_size
-    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
     last_time, last_step = time.perf_counter(), state.step
     while state.step < cfg.steps:
+        step = state.step + 1
+        log_step = step == 1 or step % cfg.log_every == 0 or step == cfg.steps
         inputs, targets = job.data.next_batch()
         loss = model(inputs, targets)
         loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        if cfg.grad_clip > 0 or log_step:  # the norm costs an all-reduce: only when clipping or logging
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
         optimizer.step()  # with an averager: the local step, then maybe averaging across replicas
         optimizer.zero_grad(set_to_none=True)
-        state.step += 1
+        state.step = step
 
         row = job.cross_replica.step_metrics() if job.cross_replica is not None else {}
-        if state.step == 1 or state.step % cfg.log_every == 0 or state.step == cfg.steps:
+        if log_step:
             mean_loss = mean_over_ranks(loss)  # also waits for the device, so the clock below is honest
-            step_time = (time.perf_counter() - last_time) / (state.step - last_step)
+            step_time = (time.perf_counter() - last_time) / (step - last_step)
             row.update({"train/loss": mean_loss, "train/lr": optimizer.param_groups[0]["lr"],
                         "train/grad_norm": _scalar(grad_norm), "train/step_time_s": step_time,
                         "train/tokens_per_s": tokens_per_step / step_time, **memory_metrics(env.device)})
-            sink.log(row, state.step)
+            sink.log(row, step)
             if env.is_main:
-                log.info("step %d/%d | loss %.4f | %s tok/s | %.3f s/step", state.step, cfg.steps, mean_loss,
+                log.info("step %d/%d | loss %.4f | %s tok/s | %.3f s/step", step, cfg.steps, mean_loss,
                          f"{row['train/tokens_per_s']:,.0f}", step_time)
-            last_time, last_step = time.perf_counter(), state.step
+            last_time, last_step = time.perf_counter(), step
         elif row.get("averager/averaged"):  # every averaging step gets a row, so none is missed
-            sink.log(row, state.step)
+            sink.log(row, step)
 
 
 def _scalar(t: torch.Tensor) -> float:
