@@ -126,17 +126,14 @@ def average_local_shards(params, group: dist.ProcessGroup) -> tuple[float, int, 
     start, size, nbytes = time.perf_counter(), group.size(), 0
     deviation = torch.zeros(2, dtype=torch.float64, device=tensors[0].device)  # [sum dev^2, sum mean^2]
     for bucket in _buckets(tensors):
-        flat = torch.cat([t.reshape(-1) for t in bucket])
-        dist.all_reduce(flat, group=group)
-        flat.div_(size)
-        nbytes += flat.numel() * flat.element_size()
-        offset = 0
-        for t in bucket:
-            mean = flat[offset:offset + t.numel()].view_as(t)
-            deviation[0] += (t - mean).double().pow(2).sum()
-            deviation[1] += mean.double().pow(2).sum()
-            t.copy_(mean)
-            offset += t.numel()
+        local = torch.cat([t.reshape(-1) for t in bucket])
+        mean = local.clone()
+        dist.all_reduce(mean, group=group)
+        mean.div_(size)
+        nbytes += mean.numel() * mean.element_size()
+        deviation[0] += local.sub_(mean).pow_(2).sum()
+        deviation[1] += mean.square().sum()
+        torch._foreach_copy_(bucket, [m.view_as(t) for m, t in zip(mean.split([t.numel() for t in bucket]), bucket)])
     elapsed = time.perf_counter() - start
     dist.all_reduce(deviation)
     return elapsed, nbytes, (deviation[0] / deviation[1].clamp_min(1e-30)).sqrt().item()

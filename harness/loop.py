@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -65,6 +66,7 @@ def run(cfg: DictConfig, run_dir: Path) -> None:
                  dict(zip(job.mesh.mesh_dim_names, job.mesh.shape)),
                  f"{sum(p.numel() for p in job.model.parameters()):,}", env.device)
         train(job, sink, cfg.train, env, TrainState())
+        dist.barrier()  # no rank tears down while a peer still has collectives in flight
     finally:
         if sink is not None:
             sink.close()

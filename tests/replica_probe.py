@@ -66,6 +66,7 @@ def main(out: str, overrides: list[str]) -> None:
     if env.is_main:
         Path(out).write_text(json.dumps(records))
         torch.save(params, Path(out).with_suffix(".pt"))
+    dist.barrier()
     teardown()
 
 
