@@ -24,8 +24,21 @@ LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
 
 
 def prepare_torchrun_rank(argv: list[str]) -> None:
-    """Before Hydra composes: agree on one run dir; only rank 0 writes `.hydra/`."""
+    """Before Hydra composes: agree on one run dir; only rank 0 writes `.hydra/`.
+
+    A sweep under torchrun is refused: every rank would run the sweep, and a
+    rank that fails one job moves on while its peers' collectives pair up with
+    the previous job - silent corruption. `python train.py -m` starts a fresh
+    group of ranks per job instead.
+    """
     if under_torchrun():
+        if any(arg in ("-m", "--multirun") for arg in argv[1:]):
+            if os.environ["RANK"] == "0":
+                print("harness: `torchrun ... train.py -m` would run the whole sweep on every rank, and one failed "
+                      "job would silently pair later collectives with the wrong job. Fix: run sweeps without "
+                      f"torchrun, e.g. `python train.py -m ... launcher.nproc={os.environ['WORLD_SIZE']}`: each job "
+                      "then starts its own ranks.", file=sys.stderr)
+            sys.exit(2)
         agree_on_run_stamp()
         if int(os.environ["RANK"]) > 0:
             argv.append("hydra.output_subdir=null")

@@ -80,6 +80,13 @@ def test_bad_input_fails_at_startup_with_a_message(args, error, tmp_path, cli_en
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+def test_sweep_under_torchrun_is_refused_with_the_fix(tmp_path, cli_env):
+    proc = run_cli(["-m", "averager.period=2,4"], cli_env, tmp_path, torchrun_nproc=2)
+    assert proc.returncode != 0
+    assert proc.stderr.count("python train.py -m ... launcher.nproc=2") == 1, proc.stderr
+    assert not (tmp_path / "outputs").exists()
+
+
 def test_config_error_under_torchrun_is_printed_once(tmp_path, cli_env):
     proc = run_cli(["sharding=full_shard", "hydra.run.dir=run"], cli_env, tmp_path, torchrun_nproc=2)
     assert proc.returncode != 0
@@ -98,3 +105,12 @@ def test_text_data_on_two_ranks_builds_the_cache_once(tmp_path, cli_env):
     assert len(list((tmp_path / "cache").iterdir())) == 1
     rows = read_metrics(tmp_path / "run")
     assert rows[-1]["train/loss"] < rows[0]["train/loss"]
+
+
+def test_python_train_py_multirun_starts_ranks_per_job(tmp_path, cli_env):
+    proc = run_cli(["-m", *FAST, "train.steps=3", "averager.period=2,4", "hydra.sweep.dir=sweep"], cli_env, tmp_path)
+    check_ok(proc)
+    assert proc.stdout.count("starting 2 local ranks") == 2
+    for job in ("0", "1"):
+        assert len(read_metrics(tmp_path / "sweep" / job)) == 3
+        assert (tmp_path / "sweep" / job / "logs" / "rank1.log").exists()
