@@ -1,4 +1,5 @@
-"""`run` assembles one rank's training job from the config; `train` is the loop."""
+"""One rank's job: `build_job` assembles it from the config, `run` takes it from
+process group to teardown, and `train` is the loop itself."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class TrainState:
-    """What the loop itself carries between steps (checkpointed with the rest)."""
+    """What the loop itself carries between steps; with the model, optimizer and
+    data position, what a checkpoint has to hold."""
 
     step: int = 0
 
