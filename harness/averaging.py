@@ -159,19 +159,14 @@ def _buckets(tensors: list[torch.Tensor]):
 
 
 def replica_subgroups(mesh: DeviceMesh, group_size: int) -> dist.ProcessGroup:
-    """This rank's group of `group_size` consecutive replicas (same shard index).
-
-    Every rank creates every group (a collective requirement of `new_group`).
-    """
+    """This rank's group of `group_size` consecutive replicas (same shard index);
+    the replicate group itself when the group holds every replica."""
     ranks = mesh.mesh  # [replicate, shard] tensor of global ranks
-    replicas = ranks.shape[0]
-    mine = None
-    for shard in range(ranks.shape[1]):
-        for first in range(0, replicas, group_size):
-            members = ranks[first:first + group_size, shard].tolist()
-            group = dist.new_group(members)
-            if dist.get_rank() in members:
-                mine = group
+    if group_size == ranks.shape[0]:
+        return mesh.get_group("replicate")
+    groups = [ranks[first:first + group_size, shard].tolist()
+              for shard in range(ranks.shape[1]) for first in range(0, ranks.shape[0], group_size)]
+    mine, _ = dist.new_subgroups_by_enumeration(groups)
     return mine
 
 

@@ -22,17 +22,12 @@ log = logging.getLogger(__name__)
 
 class MetricsSink:
     def __init__(self, run_dir: Path, wandb_cfg: Any, config: dict, enabled: bool):
-        self.enabled = enabled
-        self.rows = None
-        self.wandb_run = None
-        if not enabled:
-            return
-        self.rows = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
-        self.wandb_run = _start_wandb(run_dir, wandb_cfg, config)
+        self.rows = open(run_dir / "metrics.jsonl", "a", encoding="utf-8") if enabled else None
+        self.wandb_run = _start_wandb(run_dir, wandb_cfg, config) if enabled else None
 
     def log(self, row: dict[str, float], step: int) -> None:
         """One row for `step`; steps must increase (W&B drops lower ones)."""
-        if not self.enabled:
+        if self.rows is None:
             return
         row = {"train/step": step, **row}
         self.rows.write(json.dumps({"step": step, **row}) + "\n")
