@@ -160,7 +160,7 @@ class ShardingConf:
     # world size for no_shard and ddp).
     replicate: Optional[int] = None
     param_dtype: str = "auto"  # auto = bfloat16 on cuda, float32 on cpu
-    reduce_dtype: str = "float32"
+    reduce_dtype: str = "float32"  # auto = float32 too
 
 
 # --- checkpoint / wandb ---------------------------------------------------------

@@ -22,9 +22,10 @@ RESHARD_AFTER_FORWARD = {"full_shard": True, "hybrid_shard": True,
                          "shard_grad_op": False, "hybrid_shard_zero2": False, "no_shard": False}
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, *, low_precision_on_cuda: bool) -> torch.dtype:
+    """`auto`: bf16 compute params on CUDA, fp32 on CPU; reductions stay fp32."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.bfloat16 if low_precision_on_cuda and device.type == "cuda" else torch.float32
     return getattr(torch, name)
 
 
@@ -34,8 +35,8 @@ def apply_sharding(model: nn.Module, mesh: DeviceMesh, cfg: DictConfig, device: 
         materialize(model, device, seed)
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     fsdp_mesh = mesh if mesh["replicate"].size() > 1 and not replicas_train_alone else mesh["shard"]
-    policy = MixedPrecisionPolicy(param_dtype=resolve_dtype(cfg.param_dtype, device),
-                                  reduce_dtype=resolve_dtype(cfg.reduce_dtype, device))
+    policy = MixedPrecisionPolicy(param_dtype=resolve_dtype(cfg.param_dtype, device, low_precision_on_cuda=True),
+                                  reduce_dtype=resolve_dtype(cfg.reduce_dtype, device, low_precision_on_cuda=False))
     reshard = RESHARD_AFTER_FORWARD[cfg.strategy]
     for block in model.blocks:
         fully_shard(block, mesh=fsdp_mesh, reshard_after_forward=reshard, mp_policy=policy)
