@@ -1,10 +1,13 @@
 """Token streams: synthetic (default, no files) and byte-level text from local files.
 
-Every rank reads a disjoint, deterministic slice: at step s, rank r of w takes
-the global samples (s*w + r)*B ... (s*w + r)*B + B-1, so the union over ranks of
-one step is exactly what a single process with batch w*B would read. The
-position is one integer (`TokenStream.position`, steps consumed), saved by the
-checkpoint code through `state_dict()`.
+Every rank reads a disjoint, deterministic slice of one global sequence of
+samples: with `n` samples consumed by all ranks so far, rank r of w takes
+samples n + r*B ... n + r*B + B-1, and a step consumes w*B. The union over
+ranks of one step is exactly what a single process with batch w*B would read.
+The position is that one global count (`TokenStream.samples`), saved by the
+checkpoint code through `state_dict()`; because it does not depend on the
+world size, a run resumed on another layout continues with the next unread
+sample - none skipped, none read twice.
 """
 
 from __future__ import annotations
@@ -73,24 +76,24 @@ class TextTokens:
 
 
 class TokenStream:
-    """Batches of (inputs, targets) for one rank; `position` = steps consumed."""
+    """Batches of (inputs, targets) for one rank; `samples` = samples consumed by all ranks."""
 
     def __init__(self, source, batch_size: int, seq_len: int, rank: int, world_size: int, device: torch.device):
         self.source, self.batch_size, self.seq_len = source, batch_size, seq_len
         self.rank, self.world_size, self.device = rank, world_size, device
-        self.position = 0
+        self.samples = 0
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        first = (self.position * self.world_size + self.rank) * self.batch_size
+        first = self.samples + self.rank * self.batch_size
         seqs = self.source.samples(first, self.batch_size, self.seq_len + 1).to(self.device, non_blocking=True)
-        self.position += 1
+        self.samples += self.world_size * self.batch_size
         return seqs[:, :-1], seqs[:, 1:]
 
     def state_dict(self) -> dict:
-        return {"position": self.position}
+        return {"samples": self.samples}
 
     def load_state_dict(self, state: dict) -> None:
-        self.position = int(state["position"])
+        self.samples = int(state["samples"])
 
 
 def build_data(cfg: DictConfig, vocab_size: int, batch_size: int, seq_len: int, seed: int,

@@ -40,7 +40,13 @@ class MetricsSink:
             self.rows.close()
             self.rows = None
         if self.wandb_run is not None:
+            import wandb
+
             self.wandb_run.finish()
+            # finish() can return before wandb-core has flushed and closed the
+            # run file (seen under load: a .wandb file with only its header);
+            # teardown waits for wandb-core to exit, so the files are complete.
+            wandb.teardown()
             self.wandb_run = None
 
 

@@ -35,9 +35,19 @@ def test_stream_is_deterministic_and_resumes_from_its_position():
     a = stream(2, 1, 4)
     batches = [a.next_batch()[0] for _ in range(5)]
     b = stream(2, 1, 4)
-    b.load_state_dict({"position": 3})
+    b.load_state_dict({"samples": 3 * 2 * 4})
     assert torch.equal(b.next_batch()[0], batches[3])
-    assert a.state_dict() == {"position": 5}
+    assert a.state_dict() == {"samples": 5 * 2 * 4}
+
+
+def test_position_carries_over_to_another_world_size_without_gaps_or_repeats():
+    old = [stream(4, r, 2) for r in range(4)]
+    seen = [s.next_batch()[0] for s in old]  # one step on 4 ranks: samples 0..7
+    new = [stream(2, r, 2) for r in range(2)]
+    for s in new:
+        s.load_state_dict(old[0].state_dict())
+    seen += [s.next_batch()[0] for s in new]  # one step on 2 ranks: samples 8..11
+    assert torch.equal(torch.cat(seen), stream(1, 0, 12).next_batch()[0])
 
 
 def test_synthetic_tokens_follow_a_learnable_pattern():

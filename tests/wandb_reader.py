@@ -122,11 +122,13 @@ def read_run(path: str | Path) -> dict:
     ``_step``/``_runtime``/``_timestamp`` keys.
     """
     history: list[dict] = []
+    kinds: list[str] = []
     config: dict = {}
     summary: dict = {}
     run: dict = {}
     for rec in iter_records(path):
         kind = rec.WhichOneof("record_type")
+        kinds.append(kind)
         if kind == "history":
             history.append({_key(i): _history_value(i) for i in rec.history.item})
         elif kind == "config":
@@ -147,5 +149,5 @@ def read_run(path: str | Path) -> dict:
             for item in rec.summary.remove:
                 summary.pop(_key(item), None)
     if not run:
-        raise ValueError(f"{path}: no run record found")
+        raise ValueError(f"{path}: no run record found ({len(kinds)} records: {kinds[:8]})")
     return {"history": history, "config": config, "run": run, "summary": summary}
