@@ -190,21 +190,35 @@ def setup_cross_replica(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     else:
         groups = {int(p): replica_subgroups(mesh, int(g)) for p, g in cfg.period_group_size}
         averager = HierarchicalReplicaAverager(groups, cfg.warmup_steps, traffic)
-    _sync_gradients_during_warmup(model, mesh, averager, traffic)
-    return PostLocalSGDOptimizer(optim=optimizer, averager=averager), CrossReplica(traffic, averager)
+    ddp_state = _sync_gradients_during_warmup(model, mesh, averager, traffic)
+    return PostLocalSGDOptimizer(optim=optimizer, averager=averager), CrossReplica(traffic, averager, ddp_state)
 
 
 @dataclass
 class CrossReplica:
     traffic: CrossReplicaTraffic
     averager: ReplicaAverager | None
+    ddp_state: PostLocalSGDState | None = None  # the DDP hook's own iteration counter
 
     def step_metrics(self) -> dict:
         return self.traffic.step_metrics(self.averager.step if self.averager is not None else None)
 
+    def state_dict(self) -> dict:
+        return {"averager_step": self.averager.step if self.averager is not None else None,
+                "cross_replica_bytes_total": self.traffic.total_bytes}
+
+    def load_state_dict(self, state: dict, step: int) -> None:
+        """Restore the counters; `step` (the global step) stands in for an averager
+        step the checkpoint does not have (saved without an averager)."""
+        self.traffic.total_bytes = state.get("cross_replica_bytes_total", 0)
+        if self.averager is not None:
+            self.averager.step = state.get("averager_step") or step
+            if self.ddp_state is not None:
+                self.ddp_state.iter = self.averager.step
+
 
 def _sync_gradients_during_warmup(model: torch.nn.Module, mesh: DeviceMesh, averager: ReplicaAverager,
-                                  traffic: CrossReplicaTraffic) -> None:
+                                  traffic: CrossReplicaTraffic) -> PostLocalSGDState | None:
     replicate_group = mesh.get_group("replicate")
     if isinstance(model, DistributedDataParallel):
         state = PostLocalSGDState(process_group=replicate_group, subgroup=mesh.get_group("shard"),
@@ -216,7 +230,7 @@ def _sync_gradients_during_warmup(model: torch.nn.Module, mesh: DeviceMesh, aver
             return post_localSGD_hook(state, bucket)
 
         model.register_comm_hook(state, ddp_hook)
-        return
+        return state
 
     def fsdp_hook(reduce_output: torch.Tensor) -> None:
         if averager.step < averager.warmup_steps:
@@ -227,6 +241,7 @@ def _sync_gradients_during_warmup(model: torch.nn.Module, mesh: DeviceMesh, aver
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_all_reduce_hook(fsdp_hook)
+    return None
 
 
 def _count_synchronous_gradients(model: torch.nn.Module, traffic: CrossReplicaTraffic) -> None:

@@ -15,12 +15,14 @@ import importlib
 import inspect
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, List, Optional, Tuple
 
 import torch
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import BooleanNode, DictConfig, OmegaConf, open_dict
 
+from harness.checkpoint import CheckpointError, check_compatible, checkpoint_dir, complete_checkpoints, read_meta, resume_path
 from harness.data import text_files
 from harness.mesh import STRATEGIES, mesh_shape
 
@@ -169,10 +171,24 @@ class ShardingConf:
 @dataclass
 class CheckpointConf:
     mode: str = "none"  # none | full | sharded
-    interval: int = 100  # steps between checkpoints
+    interval: int = 100  # steps between checkpoints (and one at the last step)
     keep: int = 2  # complete checkpoints kept
-    resume: str = "auto"  # auto | never | <path>
+    resume: str = "auto"  # auto (latest complete one in dir, if any) | never | <path>
     dir: Optional[str] = None  # null = <run dir>/checkpoints
+    # + `async: bool = False` (sharded only: dcp.async_save), added by
+    # `checkpoint_schema` because `async` is a Python keyword.
+
+
+def checkpoint_schema() -> DictConfig:
+    """CheckpointConf plus a typed `async` key, which no dataclass can declare.
+
+    A BooleanNode gets the same Hydra errors as a dataclass field
+    (`checkpoint.async=maybe` -> "Value 'maybe' is not a valid bool").
+    """
+    node = OmegaConf.structured(CheckpointConf)
+    with open_dict(node):
+        node["async"] = BooleanNode(False)
+    return node
 
 
 @dataclass
@@ -209,7 +225,7 @@ def register_configs() -> None:
         "averager": {"none": NoAveragerConf, "periodic": PeriodicAveragerConf,
                      "hierarchical": HierarchicalAveragerConf},
         "sharding": {"sharding": ShardingConf},
-        "checkpoint": {"checkpoint": CheckpointConf},
+        "checkpoint": {"checkpoint": checkpoint_schema()},
         "wandb": {"wandb": WandbConf},
     }.items():
         for name, node in schemas.items():
@@ -222,13 +238,15 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 WANDB_MODES = ("offline", "online", "disabled")
 CHECKPOINT_MODES = ("none", "full", "sharded")
+EXTRA_KEYS = {CheckpointConf: {"async"}}  # schema keys no dataclass field can carry (see checkpoint_schema)
 
 
-def validate(cfg: DictConfig, world_size: int, cuda_available: bool) -> None:
+def validate(cfg: DictConfig, world_size: int, cuda_available: bool, run_dir: Path | None = None) -> None:
     """Check every cross-field rule before any process group exists.
 
     Raises ConfigError with one paragraph per broken rule, each naming the key,
-    its value and the fix.
+    its value and the fix. With `run_dir`, also checks the checkpoint the run
+    would resume from (exists, complete, same model and optimizer).
     """
     errors = unknown_keys(cfg)
     errors += _check_train(cfg, world_size, cuda_available)
@@ -236,6 +254,8 @@ def validate(cfg: DictConfig, world_size: int, cuda_available: bool) -> None:
     errors += _check_optimizer(cfg.optimizer)
     errors += _check_sharding_and_averager(cfg, world_size)
     errors += _check_checkpoint_and_wandb(cfg)
+    if run_dir is not None and not errors:
+        errors += _check_resume(cfg, run_dir)
     if errors:
         raise ConfigError("\n\n".join(errors))
 
@@ -249,7 +269,7 @@ def unknown_keys(cfg: DictConfig) -> list[str]:
             return
         schema = OmegaConf.get_type(node)
         if dataclasses.is_dataclass(schema):
-            declared = {f.name for f in dataclasses.fields(schema)}
+            declared = {f.name for f in dataclasses.fields(schema)} | EXTRA_KEYS.get(schema, set())
             for key in node.keys():
                 if key not in declared:
                     full = f"{path}.{key}" if path else str(key)
@@ -315,6 +335,31 @@ def _check_model_and_data(cfg: DictConfig) -> list[str]:
                           "Fix: check the pattern ('**' recurses), e.g. data.glob='**/*.py'.")
     elif data.name == "synthetic" and not 0.0 <= data.noise < 1.0:
         errors.append(f"data.noise={data.noise} must be in [0, 1). Fix: data.noise=0.1.")
+    return errors
+
+
+def _check_resume(cfg: DictConfig, run_dir: Path) -> list[str]:
+    """The checkpoint `checkpoint.resume` picks must exist, be complete and fit
+    this model; and a run must not write over checkpoints it did not resume from."""
+    path = resume_path(cfg.checkpoint, run_dir)
+    root = checkpoint_dir(cfg.checkpoint, run_dir)
+    existing = complete_checkpoints(root)
+    if path is None:
+        if existing and cfg.checkpoint.mode != "none":
+            return [f"checkpoint.resume={cfg.checkpoint.resume} but {root} already holds checkpoints "
+                    f"({', '.join(p.name for p in existing)}); this run would write over them. Fix: "
+                    "checkpoint.resume=auto to continue from the latest, or a new hydra.run.dir / checkpoint.dir."]
+        return []
+    try:
+        meta = read_meta(path)
+    except CheckpointError as e:
+        return [str(e)]
+    errors = check_compatible(meta, cfg, path)
+    newer = [p.name for p in existing if int(p.name.split("_")[1]) > meta["step"]]
+    if newer and cfg.checkpoint.mode != "none":
+        errors.append(f"checkpoint.resume={str(path)!r} is step {meta['step']}, but {root} already holds later "
+                      f"checkpoints ({', '.join(newer)}) that this run would write over. Fix: resume from the latest "
+                      "(checkpoint.resume=auto), or save elsewhere (checkpoint.dir=<new folder>).")
     return errors
 
 
@@ -409,10 +454,9 @@ def _check_checkpoint_and_wandb(cfg: DictConfig) -> list[str]:
     if ckpt.mode != "none":
         errors += _at_least(cfg, "checkpoint.interval", 1, "checkpoint.interval=100")
         errors += _at_least(cfg, "checkpoint.keep", 1, "checkpoint.keep=2")
-    if ckpt.mode in ("full", "sharded"):  # refuse rather than silently train without checkpoints
-        errors.append(f"checkpoint={ckpt.mode}: saving and resuming checkpoints is not implemented in this version "
-                      "of the harness (the config schema is in place; the behaviour is the checkpoint issue). "
-                      "Fix: checkpoint=none.")
+    if ckpt["async"] and ckpt.mode != "sharded":
+        errors.append(f"checkpoint.async=true needs checkpoint=sharded (DCP's async_save), not checkpoint={ckpt.mode}. "
+                      "Fix: checkpoint=sharded checkpoint.async=true, or checkpoint.async=false.")
     if cfg.wandb.mode not in WANDB_MODES:
         errors.append(f"wandb.mode={cfg.wandb.mode!r} is not one of {', '.join(WANDB_MODES)}. Fix: wandb.mode=offline.")
     return errors

@@ -52,7 +52,7 @@ def main(cfg: DictConfig) -> None:
     world_size = int(os.environ["WORLD_SIZE"]) if torchrun else cfg.launcher.nproc
     setup_logging(run_dir, rank)
     try:
-        validate(cfg, world_size, torch.cuda.is_available())
+        validate(cfg, world_size, torch.cuda.is_available(), run_dir)
     except ConfigError as e:
         if rank == 0:
             print(f"harness: the config cannot run (world size {world_size}):\n\n{e}", file=sys.stderr)

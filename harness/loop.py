@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.device_mesh import DeviceMesh
 
 from harness.averaging import CrossReplica, setup_cross_replica
+from harness.checkpoint import Checkpointer, load, resume_path
 from harness.data import TokenStream, build_data
 from harness.dist import DistEnv, init_distributed, mean_over_ranks, teardown
 from harness.mesh import build_mesh
@@ -28,8 +29,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class TrainState:
-    """What the loop itself carries between steps; with the model, optimizer and
-    data position, what a checkpoint has to hold."""
+    """What the loop itself carries between steps (the rest of a checkpoint's
+    state lives in the job: model, optimizer, data position, averager)."""
 
     step: int = 0
 
@@ -63,11 +64,18 @@ def run(cfg: DictConfig, run_dir: Path) -> None:
     sink = None
     try:
         job = build_job(cfg, env)
+        checkpointer = Checkpointer(cfg.checkpoint, run_dir, cfg, env.rank)
         sink = MetricsSink(run_dir, cfg.wandb, OmegaConf.to_container(cfg, resolve=True), enabled=env.is_main)
         log.info("world %d, mesh %s, %s parameters, device %s", env.world_size,
                  dict(zip(job.mesh.mesh_dim_names, job.mesh.shape)),
                  f"{sum(p.numel() for p in job.model.parameters()):,}", env.device)
-        train(job, sink, cfg.train, env, TrainState())
+        state = TrainState()
+        path = resume_path(cfg.checkpoint, run_dir)
+        if path is not None:
+            sink.log(restore(job, state, path, env.rank), state.step)
+        train(job, sink, cfg.train, env, state, checkpointer)
+        if final := checkpointer.wait():  # the last async save is durable before we exit
+            sink.log(final, state.step)
         dist.barrier()  # no rank tears down while a peer still has collectives in flight
     finally:
         if sink is not None:
@@ -75,8 +83,26 @@ def run(cfg: DictConfig, run_dir: Path) -> None:
         teardown()
 
 
-def train(job: Job, sink: MetricsSink, cfg: DictConfig, env: DistEnv, state: TrainState) -> None:
-    """Train until `cfg.steps` steps are done: forward, backward, step (+ averaging), log."""
+def checkpoint_state(job: Job) -> dict:
+    """The loop-side state a checkpoint stores next to model, optimizer and RNG."""
+    return {"data": job.data.state_dict(),
+            "cross_replica": job.cross_replica.state_dict() if job.cross_replica is not None else {}}
+
+
+def restore(job: Job, state: TrainState, path: Path, rank: int) -> dict:
+    """Resume `job` from the checkpoint at `path`; returns the load metrics."""
+    meta, row = load(path, job, rank)
+    state.step = meta["step"]
+    job.data.load_state_dict(meta["data"])
+    if job.cross_replica is not None:
+        job.cross_replica.load_state_dict(meta["cross_replica"], state.step)
+    log.info("resumed from %s at step %d (%.2f s)", path, state.step, row["checkpoint/load_s"])
+    return {**row, "run/resumed_from_step": state.step}
+
+
+def train(job: Job, sink: MetricsSink, cfg: DictConfig, env: DistEnv, state: TrainState,
+          checkpointer: Checkpointer) -> None:
+    """Train until `cfg.steps` steps are done: forward, backward, step (+ averaging), log, checkpoint."""
     model, optimizer = job.model, job.optimizer
     tokens_per_step = cfg.batch_size * cfg.seq_len * env.world_size
     last_time, last_step = time.perf_counter(), state.step
@@ -93,6 +119,8 @@ def train(job: Job, sink: MetricsSink, cfg: DictConfig, env: DistEnv, state: Tra
         state.step = step
 
         row = job.cross_replica.step_metrics() if job.cross_replica is not None else {}
+        saved = checkpointer.after_step(job, step, cfg.steps, checkpoint_state(job))
+        row.update(saved)
         if log_step:
             mean_loss = mean_over_ranks(loss)  # also waits for the device, so the clock below is honest
             step_time = (time.perf_counter() - last_time) / (step - last_step)
@@ -104,7 +132,7 @@ def train(job: Job, sink: MetricsSink, cfg: DictConfig, env: DistEnv, state: Tra
                 log.info("step %d/%d | loss %.4f | %s tok/s | %.3f s/step", step, cfg.steps, mean_loss,
                          f"{row['train/tokens_per_s']:,.0f}", step_time)
             last_time, last_step = time.perf_counter(), step
-        elif row.get("averager/averaged"):  # every averaging step gets a row, so none is missed
+        elif row.get("averager/averaged") or saved:  # every averaging step and save gets a row
             sink.log(row, step)
 
 

@@ -114,8 +114,8 @@ RULES = [
     (["checkpoint=sharded", "checkpoint.interval=0"], 2, False, ["checkpoint.interval=0"]),
     (["checkpoint=full", "checkpoint.keep=0"], 2, False, ["checkpoint.keep=0"]),
     (["checkpoint.mode=sometimes"], 2, False, ["checkpoint.mode='sometimes'", "checkpoint=none|full|sharded"]),
-    (["checkpoint=sharded"], 2, False, ["checkpoint=sharded", "not implemented", "Fix: checkpoint=none"]),
-    (["checkpoint=full"], 2, False, ["checkpoint=full", "not implemented"]),
+    (["checkpoint=full", "checkpoint.async=true"], 2, False, ["checkpoint.async=true needs checkpoint=sharded",
+                                                              "Fix: checkpoint=sharded checkpoint.async=true"]),
     (["wandb.mode=loud"], 2, False, ["wandb.mode='loud'", "wandb.mode=offline"]),
 ]
 
