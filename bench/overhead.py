@@ -39,6 +39,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from harness.checkpoint import Checkpointer  # noqa: E402
 from harness.config import ConfigError, register_configs, validate  # noqa: E402
 from harness.data import build_data  # noqa: E402
 from harness.dist import init_distributed, teardown  # noqa: E402
@@ -106,6 +107,7 @@ def worker(cfg_dict: dict, rounds: int, steps_per_round: int, command: str) -> N
         job = build_job(cfg, env)
         sink = MetricsSink(Path(run_dir.name), cfg.wandb, cfg_dict, enabled=False)
         train_cfg, state = cfg.train.copy(), TrainState()
+        checkpointer = Checkpointer(cfg.checkpoint, Path(run_dir.name), cfg, env.rank)  # checkpoint=none by default
 
         # (b) the minimal path, on the same mesh
         m_model, m_optimizer, m_data = build_minimal(cfg, job.mesh, env.device)
@@ -113,7 +115,7 @@ def worker(cfg_dict: dict, rounds: int, steps_per_round: int, command: str) -> N
 
         def run_harness() -> None:
             train_cfg.steps = state.step + steps_per_round
-            train(job, sink, train_cfg, env, state)
+            train(job, sink, train_cfg, env, state, checkpointer)
 
         def run_minimal() -> None:
             minimal_steps(m_model, m_optimizer, m_data, steps_per_round, max_norm)

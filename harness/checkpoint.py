@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict, set_state_dict)
@@ -376,9 +377,11 @@ def load(path: Path, job, rank: int) -> tuple[dict, dict]:
                 dcp.load(target if key is None else {key: target}, checkpoint_id=str(path))
                 t = time.perf_counter()
                 set_state_dict(job.model, optim, model_state_dict=model_sd, optim_state_dict=optim_sd)
-        except Exception as e:
+        except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+            cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) and e.failures else e
+            detail = ": ".join([type(cause).__name__, *str(cause).splitlines()[:1]])[:300]
             raise CheckpointError(
-                f"checkpoint.resume: loading {str(path)!r} failed ({type(e).__name__}: {str(e).splitlines()[0][:300]}). "
+                f"checkpoint.resume: loading {str(path)!r} failed ({detail}). "
                 "The checkpoint is damaged or does not match this model. Fix: resume from an earlier checkpoint "
                 "(checkpoint.resume=<its step_<N> dir>) or start fresh (checkpoint.resume=never).") from e
         set_s += time.perf_counter() - t

@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from harness.checkpoint import CheckpointError
 from harness.config import ConfigError, validate
 from harness.dist import agree_on_run_stamp, under_torchrun
 from harness.loop import run
@@ -58,7 +59,7 @@ def main(cfg: DictConfig) -> None:
             print(f"harness: the config cannot run (world size {world_size}):\n\n{e}", file=sys.stderr)
         sys.exit(2)
     if torchrun or world_size == 1:
-        run(cfg, run_dir)
+        run_rank(cfg, run_dir)
     else:
         launch_local(cfg, run_dir, world_size)
 
@@ -80,7 +81,16 @@ def launch_local(cfg: DictConfig, run_dir: Path, nproc: int) -> None:
 def worker(cfg: dict, run_dir: str) -> None:
     """One locally launched rank; must live in an importable module for the launcher."""
     setup_logging(Path(run_dir), int(os.environ["RANK"]))
-    run(OmegaConf.create(cfg), Path(run_dir))
+    run_rank(OmegaConf.create(cfg), Path(run_dir))
+
+
+def run_rank(cfg: DictConfig, run_dir: Path) -> None:
+    """`run`, with a damaged or unfitting checkpoint reported as one message instead of a traceback."""
+    try:
+        run(cfg, run_dir)
+    except CheckpointError as e:
+        log.error("%s", e)
+        sys.exit(1)
 
 
 def setup_logging(run_dir: Path, rank: int) -> None:

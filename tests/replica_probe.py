@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from harness.checkpoint import Checkpointer  # noqa: E402
 from harness.config import register_configs  # noqa: E402
 from harness.dist import init_distributed, teardown  # noqa: E402
 from harness.loop import TrainState, build_job, train  # noqa: E402
@@ -54,10 +55,11 @@ def main(out: str, overrides: list[str]) -> None:
         cfg = compose("config", overrides=["wandb.mode=disabled", "train.log_every=1", *overrides])
     env = init_distributed(cfg.train.device, cfg.dist.timeout_s, cfg.dist.threads_per_rank)
     job, sink, state, records = build_job(cfg, env), Rows(), TrainState(), []
+    checkpointer = Checkpointer(cfg.checkpoint, Path(out).parent, cfg, env.rank)  # checkpoint=none: saves nothing
     total_steps = cfg.train.steps
     for step in range(1, total_steps + 1):
         cfg.train.steps = step
-        train(job, sink, cfg.train, env, state)
+        train(job, sink, cfg.train, env, state, checkpointer)
         records.append({"step": step, "same": replica_equality(job),
                         "local_numel": sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel()
                                            for p in job.model.parameters()), **sink.rows[step]})

@@ -48,6 +48,8 @@ def test_mission_configs_are_valid():
     (["averager.period=abc"], "could not be converted to Integer"),
     (["train.stepz=3"], "Key 'stepz' not in 'TrainConf'"),
     (["optimizer=sgdd"], "Could not find 'optimizer/sgdd'"),
+    (["checkpoint=sharded", "checkpoint.async=maybe"], "Value 'maybe' is not a valid bool"),
+    (["checkpoint.asnyc=true"], "Key 'asnyc' not in 'CheckpointConf'"),
 ])
 def test_hydra_rejects_typos_and_wrong_types_at_composition(overrides, error):
     with pytest.raises(Exception) as info:
@@ -158,3 +160,64 @@ def test_any_torch_optim_class_is_one_yaml_file_away(tmp_path):
     with pytest.raises(ConfigError, match="optimizer.alpah=0.9 is not an argument of torch.optim.RMSprop"):
         validate(make(f"hydra.searchpath=[file://{tmp_path}]", "optimizer=rmsprop", "+optimizer.alpah=0.9"),
                  world_size=2, cuda_available=False)
+
+
+def test_checkpoint_async_is_a_typed_key():
+    cfg = make("checkpoint=sharded", "checkpoint.async=true")
+    validate(cfg, world_size=2, cuda_available=False)
+    assert cfg.checkpoint["async"] is True
+
+
+def fake_checkpoint(step_dir, step: int, **meta):
+    import json
+
+    step_dir.mkdir(parents=True)
+    base = {"step": step, "model": OmegaConf.to_container(make().model), "optimizer": "torch.optim.AdamW"}
+    (step_dir / "meta.json").write_text(json.dumps({**base, **meta}))
+    return step_dir
+
+
+RESUME_RULES = [
+    ("missing", ["checkpoint.resume={root}/nowhere"], ["no such file or directory", "nowhere"]),
+    ("no meta", ["checkpoint.resume={root}/run/checkpoints/step_3"], ["is not a complete checkpoint", "meta.json"]),
+    ("corrupt meta", ["checkpoint.resume={root}/corrupt"], ["meta.json is unreadable", "corrupt"]),
+    ("other model", ["checkpoint.resume={root}/ok/step_5", "model.d_model=64"],
+     ["holds another model", "model.d_model: saved 128, configured 64"]),
+    ("other optimizer", ["checkpoint.resume={root}/ok/step_5", "optimizer=sgd"],
+     ["holds torch.optim.AdamW state", "optimizer._target_=torch.optim.SGD"]),
+    ("would overwrite", ["checkpoint=sharded", "checkpoint.resume=never", "checkpoint.dir={root}/ok"],
+     ["already holds checkpoints (step_5, step_9)", "this run would write over them"]),
+    ("older than dir", ["checkpoint=sharded", "checkpoint.resume={root}/ok/step_5", "checkpoint.dir={root}/ok"],
+     ["is step 5", "later checkpoints (step_9)"]),
+]
+
+
+@pytest.mark.parametrize("name,overrides,expected", RESUME_RULES, ids=[r[0] for r in RESUME_RULES])
+def test_resume_checks_name_the_path_and_the_fix(name, overrides, expected, tmp_path):
+    (tmp_path / "run" / "checkpoints" / "step_3").mkdir(parents=True)  # a save that never finished
+    (tmp_path / "corrupt").mkdir()
+    (tmp_path / "corrupt" / "meta.json").write_text("{not json")
+    fake_checkpoint(tmp_path / "ok" / "step_5", 5)
+    fake_checkpoint(tmp_path / "ok" / "step_9", 9)
+    cfg = make(*(o.format(root=tmp_path) for o in overrides))
+    with pytest.raises(ConfigError) as info:
+        validate(cfg, world_size=2, cuda_available=False, run_dir=tmp_path / "run")
+    for text in expected:
+        assert text in str(info.value), f"{text!r} not in:\n{info.value}"
+    assert "Fix:" in str(info.value)
+
+
+def test_resume_auto_picks_the_latest_complete_checkpoint(tmp_path):
+    from harness.checkpoint import resume_path
+
+    run = tmp_path / "run"
+    cfg = make("checkpoint=sharded")
+    assert resume_path(cfg.checkpoint, run) is None
+    fake_checkpoint(run / "checkpoints" / "step_10", 10)
+    fake_checkpoint(run / "checkpoints" / "step_9", 9)
+    (run / "checkpoints" / "step_12.partial").mkdir()
+    (run / "checkpoints" / "step_11").mkdir()  # no meta.json: not complete
+    assert resume_path(cfg.checkpoint, run) == run / "checkpoints" / "step_10"
+    validate(cfg, world_size=2, cuda_available=False, run_dir=run)
+    cfg = make("checkpoint=sharded", f"checkpoint.resume={run / 'checkpoints'}")  # a folder: its latest
+    assert resume_path(cfg.checkpoint, run) == run / "checkpoints" / "step_10"

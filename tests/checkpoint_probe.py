@@ -1,0 +1,40 @@
+"""torchrun entry for tests: build a job from overrides, load a checkpoint into
+it with the harness's own `restore`, and write what the model then holds.
+
+Usage: torchrun --nproc-per-node N tests/checkpoint_probe.py CKPT OUT.pt [hydra overrides...]
+Writes OUT.pt (rank 0): {"model": FQN -> full tensor, "step": int, "samples": int}.
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from hydra import compose, initialize_config_dir
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from harness.checkpoint import gather_full  # noqa: E402
+from harness.config import register_configs  # noqa: E402
+from harness.dist import init_distributed, teardown  # noqa: E402
+from harness.loop import TrainState, build_job, restore  # noqa: E402
+
+
+def main(ckpt: str, out: str, overrides: list[str]) -> None:
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        cfg = compose("config", overrides=["wandb.mode=disabled", *overrides])
+    env = init_distributed(cfg.train.device, cfg.dist.timeout_s, cfg.dist.threads_per_rank)
+    job, state = build_job(cfg, env), TrainState()
+    restore(job, state, Path(ckpt), env.rank)
+    model = gather_full(get_model_state_dict(job.model), keep=env.is_main)
+    if env.is_main:
+        torch.save({"model": model, "step": state.step, "samples": job.data.samples}, out)
+    dist.barrier()
+    teardown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3:])

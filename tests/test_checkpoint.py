@@ -1,0 +1,199 @@
+"""Checkpoints with real ranks and real files: bitwise resume in every mode,
+resharding, per-replica copies, atomic commits, keep-last-k, load errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, check_ok, read_metrics, run_cli
+
+SMALL = ["model=mlp", "train.batch_size=4", "train.seq_len=16", "train.log_every=1"]
+# periodic averaging with warmup 2, period 3 averages at steps 3, 6, 9, 12
+LOCAL_SGD = ["optimizer=adamw", "averager=periodic", "averager.warmup_steps=2", "averager.period=3"]
+LAYOUTS = {
+    "2x1": ["launcher.nproc=2", "sharding=no_shard"],
+    "2x2": ["launcher.nproc=4", "sharding=hybrid_shard", "sharding.replicate=2"],
+}
+PROBE = REPO / "tests" / "checkpoint_probe.py"
+
+
+def train(run_dir: Path, env: dict, *overrides: str) -> subprocess.CompletedProcess:
+    proc = run_cli([*SMALL, f"hydra.run.dir={run_dir}", *overrides], env, REPO)
+    check_ok(proc)
+    return proc
+
+
+def steps_saved(run_dir: Path) -> list[str]:
+    return sorted((p.name for p in (run_dir / "checkpoints").iterdir()), key=lambda n: (len(n), n))
+
+
+def saved_state(step_dir: Path, tmp_path: Path) -> dict:
+    """The checkpoint's contents as one dict, read the way a user would: full.pt
+    with torch.load, a DCP directory through PyTorch's own converter."""
+    if (step_dir / "full.pt").exists():
+        return torch.load(step_dir / "full.pt", weights_only=True)
+    out = tmp_path / f"{step_dir.parent.parent.name}_{step_dir.name}.pt"
+    subprocess.run([sys.executable, "-m", "torch.distributed.checkpoint.format_utils", "dcp_to_torch",
+                    str(step_dir), str(out)], check=True, capture_output=True)
+    return torch.load(out, weights_only=False)
+
+
+def flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def assert_bitwise_equal(a: dict, b: dict) -> None:
+    fa, fb = flat(a), flat(b)
+    assert fa.keys() == fb.keys()
+    differ = [k for k in fa if torch.is_tensor(fa[k]) and not torch.equal(fa[k], fb[k])]
+    assert not differ, f"{len(differ)} tensors differ, e.g. {differ[:3]}"
+
+
+def loss_by_step(run_dir: Path) -> dict[int, float]:
+    return {row["step"]: row["train/loss"] for row in read_metrics(run_dir) if "train/loss" in row}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_resume_in_every_mode_is_bitwise_equal_to_an_uninterrupted_run(layout, tmp_path, cli_env):
+    """Run A trains 12 steps. Run B stops at 7 (between averaging steps, replicas
+    diverged) saving sharded, resumes to 9 (an averaging step) saving full,
+    and resumes to 12 saving sharded with async_save (at 10, while training
+    goes on, and at 12): model and optimizer state at 10 and 12, and every
+    loss after step 7, equal A's bit for bit."""
+    base = [*LAYOUTS[layout], *LOCAL_SGD, "checkpoint.interval=10", "checkpoint.keep=3"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    train(a, cli_env, *base, "train.steps=12", "checkpoint=sharded")
+    train(b, cli_env, *base, "train.steps=7", "checkpoint=sharded")
+    train(b, cli_env, *base, "train.steps=9", "checkpoint=full")
+    train(b, cli_env, *base, "train.steps=12", "checkpoint=sharded", "checkpoint.async=true")
+
+    for step in ("step_10", "step_12"):
+        assert_bitwise_equal(saved_state(a / "checkpoints" / step, tmp_path),
+                             saved_state(b / "checkpoints" / step, tmp_path))
+    la, lb = loss_by_step(a), loss_by_step(b)
+    assert [lb[s] for s in range(8, 13)] == [la[s] for s in range(8, 13)]
+
+    assert steps_saved(b) == ["step_9", "step_10", "step_12"]  # keep=3
+    meta = json.loads((b / "checkpoints" / "step_9" / "meta.json").read_text())
+    assert meta["replica_copies"] == 2 and meta["cross_replica"]["averager_step"] == 9
+    assert meta["data"]["samples"] == 9 * 4 * int(LAYOUTS[layout][0].split("=")[1])
+    # every replica's local progress is in the checkpoint, not just replica 0's
+    assert (b / "checkpoints" / "step_9" / "replica_1.pt").exists()
+    rows = read_metrics(b)
+    resumed = [r for r in rows if "run/resumed_from_step" in r]
+    assert [r["run/resumed_from_step"] for r in resumed] == [7, 9]
+    assert all(r["checkpoint/load_s"] > 0 and r["checkpoint/set_state_dict_s"] > 0 for r in resumed)
+    saves = {r["checkpoint/mode"]: r for r in rows if "checkpoint/save_s" in r}
+    assert set(saves) == {"sharded", "full", "sharded_async"}
+    assert all(r["checkpoint/state_dict_s"] >= 0 and r["checkpoint/bytes"] > 0 for r in saves.values()
+               if "checkpoint/bytes" in r)
+    assert any("checkpoint/write_s" in r and "checkpoint/save_s" not in r for r in rows), "async write time logged"
+
+
+@pytest.mark.slow
+def test_full_checkpoint_loads_in_a_plain_process_without_torch_distributed(tmp_path, cli_env):
+    run = tmp_path / "run"
+    train(run, cli_env, *LAYOUTS["2x2"], "averager=none", "train.steps=3", "checkpoint=full")
+    code = f"""
+import torch, torch.distributed as dist
+from omegaconf import OmegaConf
+from harness.models import build_model
+ckpt = torch.load({str(run / 'checkpoints' / 'step_3' / 'full.pt')!r}, weights_only=True)
+model = build_model(OmegaConf.create({{"name": "mlp", "n_layer": 2, "d_model": 64, "hidden": 256,
+                                       "vocab_size": 256}}), 16).to_empty(device="cpu")
+print(model.load_state_dict(ckpt["model"]))
+tokens = torch.randint(256, (2, 17))
+assert torch.isfinite(model(tokens[:, :-1], tokens[:, 1:]))
+assert not dist.is_initialized()
+assert set(ckpt["optim"]["state"]) == set(ckpt["model"]), "optimizer state is keyed by parameter FQN"
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "All keys matched successfully" in proc.stdout
+
+
+def probe(ckpt: Path, out: Path, nproc: int, env: dict, *overrides: str) -> dict:
+    proc = run_cli([str(ckpt), str(out), *SMALL, *overrides], env, REPO, torchrun_nproc=nproc, script=PROBE)
+    check_ok(proc)
+    return torch.load(out, weights_only=True)
+
+
+@pytest.mark.slow
+def test_sharded_checkpoint_reshards_exactly_and_training_continues(tmp_path, cli_env):
+    """Saved by 4 ranks full_shard; loaded into 2 ranks full_shard and 4 ranks
+    hybrid_shard: the parameters are exactly the saved ones."""
+    run = tmp_path / "run"
+    train(run, cli_env, "launcher.nproc=4", "sharding=full_shard", "averager=none", "train.steps=4",
+          "checkpoint=sharded")
+    step_dir = run / "checkpoints" / "step_4"
+    saved = saved_state(step_dir, tmp_path)["model"]
+    for nproc, layout in [(2, ["sharding=full_shard"]), (4, ["sharding=hybrid_shard", "sharding.replicate=2"])]:
+        got = probe(step_dir, tmp_path / f"probe{nproc}.pt", nproc, cli_env, "averager=none", *layout)
+        assert_bitwise_equal(got["model"], saved)
+        assert got["step"] == 4 and got["samples"] == 4 * 4 * 4  # the data position is global
+    more = tmp_path / "more"  # and training goes on from there on 2 ranks
+    train(more, cli_env, "launcher.nproc=2", "sharding=full_shard", "averager=none", "train.steps=6",
+          "checkpoint=sharded", f"checkpoint.resume={step_dir}")
+    assert sorted(loss_by_step(more)) == [5, 6] and steps_saved(more) == ["step_6"]
+
+
+@pytest.mark.slow
+def test_diverged_replicas_load_as_their_mean_into_another_replica_count(tmp_path, cli_env):
+    run = tmp_path / "run"
+    train(run, cli_env, *LAYOUTS["2x1"], *LOCAL_SGD, "train.steps=5", "checkpoint=full")
+    step_dir = run / "checkpoints" / "step_5"  # steps 4-5 were local: the replicas differ
+    r0 = torch.load(step_dir / "full.pt", weights_only=True)["model"]
+    r1 = torch.load(step_dir / "replica_1.pt", weights_only=True)["model"]
+    assert any(not torch.equal(r0[k], r1[k]) for k in r0)
+    got = probe(step_dir, tmp_path / "probe.pt", 2, cli_env, "sharding=full_shard", "averager=none")
+    for key in r0:
+        torch.testing.assert_close(got["model"][key], (r0[key] + r1[key]) / 2, rtol=0, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_only_complete_checkpoints_count_and_leftovers_are_removed(tmp_path, cli_env):
+    run = tmp_path / "run"
+    train(run, cli_env, "launcher.nproc=2", "sharding=full_shard", "averager=none", "train.steps=4",
+          "checkpoint=sharded", "checkpoint.interval=2", "checkpoint.keep=2")
+    assert steps_saved(run) == ["step_2", "step_4"]
+    ckpts = run / "checkpoints"
+    # what a save killed halfway leaves behind: a .partial dir, or a step dir without meta.json
+    (ckpts / "step_6.partial").mkdir()
+    (ckpts / "step_6.partial" / "__0_0.distcp").write_bytes(b"half")
+    (ckpts / "step_8").mkdir()
+    before = {p.name: p.stat().st_mtime_ns for p in (ckpts / "step_4").iterdir()}
+    proc = train(run, cli_env, "launcher.nproc=2", "sharding=full_shard", "averager=none", "train.steps=6",
+                 "checkpoint=sharded", "checkpoint.interval=2", "checkpoint.keep=2")
+    assert "resumed from" in proc.stdout and "step_4 at step 4" in proc.stdout
+    assert "removing incomplete checkpoint" in proc.stdout
+    assert steps_saved(run) == ["step_4", "step_6", "step_8"]  # the empty step_8 is not a checkpoint, left alone
+    assert {p.name: p.stat().st_mtime_ns for p in (ckpts / "step_4").iterdir()} == before
+
+
+@pytest.mark.slow
+def test_truncated_checkpoint_fails_with_the_path_and_writes_nothing(tmp_path, cli_env):
+    run = tmp_path / "run"
+    train(run, cli_env, "launcher.nproc=2", "sharding=full_shard", "averager=none", "train.steps=2",
+          "checkpoint=sharded")
+    shard = run / "checkpoints" / "step_2" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    proc = run_cli([*SMALL, f"hydra.run.dir={run}", "launcher.nproc=2", "sharding=full_shard", "averager=none",
+                    "train.steps=4", "checkpoint=sharded"], cli_env, REPO)
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert f"loading '{run / 'checkpoints' / 'step_2'}' failed" in out and "checkpoint.resume=never" in out
+    assert steps_saved(run) == ["step_2"]
