@@ -33,7 +33,14 @@ def apply_sharding(model: nn.Module, mesh: DeviceMesh, cfg: DictConfig, device: 
                    replicas_train_alone: bool = False) -> nn.Module:
     if cfg.strategy == "ddp":
         materialize(model, device, seed)
-        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        # find_unused_parameters=True is the one switch that stops DDP from
+        # rebuilding its gradient buckets in gradient-ready order after the first
+        # iteration. A resumed run starts on the initial buckets, so at 4+ ranks
+        # each gradient would land in another ring-all-reduce chunk, be summed in
+        # another order, and differ by ~1 ulp from an uninterrupted run. The cost
+        # is one autograd-graph traversal per step.
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                       find_unused_parameters=True)
     fsdp_mesh = mesh if mesh["replicate"].size() > 1 and not replicas_train_alone else mesh["shard"]
     policy = MixedPrecisionPolicy(param_dtype=resolve_dtype(cfg.param_dtype, device, low_precision_on_cuda=True),
                                   reduce_dtype=resolve_dtype(cfg.reduce_dtype, device, low_precision_on_cuda=False))

@@ -15,11 +15,14 @@ import torch
 from conftest import REPO, check_ok, read_metrics, run_cli
 
 SMALL = ["model=mlp", "train.batch_size=4", "train.seq_len=16", "train.log_every=1"]
-# periodic averaging with warmup 2, period 3 averages at steps 3, 6, 9, 12
-LOCAL_SGD = ["optimizer=adamw", "averager=periodic", "averager.warmup_steps=2", "averager.period=3"]
+LOCAL_SGD = ["optimizer=adamw", "averager=periodic", "averager.period=3"]
+# warmup 2: averaging at steps 3, 6, 9, 12, so the replicas have diverged at step 7
 LAYOUTS = {
-    "2x1": ["launcher.nproc=2", "sharding=no_shard"],
-    "2x2": ["launcher.nproc=4", "sharding=hybrid_shard", "sharding.replicate=2"],
+    "2x1": ["launcher.nproc=2", "sharding=no_shard", "averager.warmup_steps=2"],
+    "2x2": ["launcher.nproc=4", "sharding=hybrid_shard", "sharding.replicate=2", "averager.warmup_steps=2"],
+    # DDP, 4 replicas: synchronous (4-rank gradient all-reduce) until step 8, then
+    # post_localSGD_hook with averaging at 9 and 12
+    "ddp4": ["launcher.nproc=4", "sharding=ddp", "averager.warmup_steps=8"],
 }
 PROBE = REPO / "tests" / "checkpoint_probe.py"
 
@@ -69,8 +72,7 @@ def loss_by_step(run_dir: Path) -> dict[int, float]:
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_resume_in_every_mode_is_bitwise_equal_to_an_uninterrupted_run(layout, tmp_path, cli_env):
-    """Run A trains 12 steps. Run B stops at 7 (between averaging steps, replicas
-    diverged) saving sharded, resumes to 9 (an averaging step) saving full,
+    """Run A trains 12 steps. Run B stops at 7 (between averaging steps) saving sharded, resumes to 9 (an averaging step) saving full,
     and resumes to 12 saving sharded with async_save (at 10, while training
     goes on, and at 12): model and optimizer state at 10 and 12, and every
     loss after step 7, equal A's bit for bit."""
@@ -89,7 +91,7 @@ def test_resume_in_every_mode_is_bitwise_equal_to_an_uninterrupted_run(layout, t
 
     assert steps_saved(b) == ["step_9", "step_10", "step_12"]  # keep=3
     meta = json.loads((b / "checkpoints" / "step_9" / "meta.json").read_text())
-    assert meta["replica_copies"] == 2 and meta["cross_replica"]["averager_step"] == 9
+    assert meta["replica_copies"] == meta["mesh"]["replicate"] and meta["cross_replica"]["averager_step"] == 9
     assert meta["data"]["samples"] == 9 * 4 * int(LAYOUTS[layout][0].split("=")[1])
     # every replica's local progress is in the checkpoint, not just replica 0's
     assert (b / "checkpoints" / "step_9" / "replica_1.pt").exists()

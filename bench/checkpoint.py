@@ -1,0 +1,320 @@
+"""What a checkpoint costs through the harness's own `Checkpointer`, against plain `torch.save`.
+
+What is measured, per configuration (model size x rank count), for each save
+mode - `checkpoint=full`, `checkpoint=sharded`, `checkpoint=sharded
+checkpoint.async=true` - the metrics `Checkpointer.save` itself returns:
+
+    state_dict s   checkpoint/state_dict_s: collecting the state (full mode: the
+                   one-tensor-at-a-time gather onto rank 0, i.e. consolidation)
+    blocked s      checkpoint/save_s: how long the training loop was blocked
+    durable s      start of the save until the checkpoint is committed (fsync'd,
+                   renamed): save_s for synchronous saves; for the async save the
+                   checkpoint/write_s that `Checkpointer.wait()` returns
+    GB, MB/s       checkpoint/bytes (all files of the step_<N> directory), and
+                   bytes / durable s
+
+and, as the practical limit of this disk, one process doing `torch.save` of
+the same full state (model + Adam state, whole tensors, gathered once with the
+harness's `gather_full`, so exactly the payload of full.pt) into one file,
+then flush + os.fsync.
+
+How: the real Hydra config is composed (model=mlp sized by `--sizes`,
+optimizer=adam, averager=none, sharding=full_shard, batch 2x16, one thread per
+rank) and each configuration is one elastic launch of N ranks (fork). The ranks
+build the job with `build_job`, take one optimizer step so Adam state exists,
+and then run `--rounds` rounds; a round saves once in every mode (step =
+round + 1, each mode into its own `checkpoint.dir`) and runs the torch.save
+limit on rank 0, in an order rotated every round to cancel drift. Every save
+starts after a barrier; a time is the slowest rank's. Each checkpoint is
+deleted (untimed) right after it is measured, so the disk holds at most one
+checkpoint plus the limit file at a time (200M parameters + Adam = 2.4 GB).
+All files go to one temporary directory (`--dir`, default the system temp
+dir), deleted at the end. Reported: medians over rounds, the async save's
+blocked time against the synchronous sharded save (target <= 10 %), sharded
+throughput against the torch.save limit (target >= 0.8), and the full mode's
+consolidation cost by size and rank count.
+
+    python bench/checkpoint.py [--sizes 10m,50m,200m] [--ranks 2,4] [--rounds 3] [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from harness.checkpoint import Checkpointer, gather_full, inner_optimizer  # noqa: E402
+from harness.config import ConfigError, register_configs, validate  # noqa: E402
+from harness.dist import init_distributed, teardown  # noqa: E402
+from harness.launch import setup_logging  # noqa: E402
+from harness.loop import build_job, checkpoint_state  # noqa: E402
+from harness.models import build_model  # noqa: E402
+
+# model=mlp shapes: params = 2*vocab*d_model + n_layer*(2*d_model*hidden + hidden + 3*d_model) + 2*d_model
+SIZES = {
+    "10m": {"vocab_size": 256, "d_model": 512, "hidden": 2048, "n_layer": 5},     # 10,766,848
+    "50m": {"vocab_size": 256, "d_model": 1024, "hidden": 4096, "n_layer": 6},    # 50,899,968
+    "200m": {"vocab_size": 256, "d_model": 1024, "hidden": 4096, "n_layer": 24},  # 202,023,936
+}
+MODES = {  # name -> checkpoint overrides
+    "full": ["checkpoint=full"],
+    "sharded": ["checkpoint=sharded"],
+    "sharded+async": ["checkpoint=sharded", "checkpoint.async=true"],
+}
+LIMIT = "torch.save"  # the single-process limit, measured as a fourth "mode" in the rotation
+ASYNC_TARGET = 0.10  # async blocked / sync sharded blocked
+THROUGHPUT_TARGET = 0.8  # sharded MB/s / torch.save MB/s
+
+
+def compose_configs(size: str, ranks: int, ckpt_root: Path) -> dict[str, dict]:
+    """One resolved config per mode, identical but for `checkpoint.*`."""
+    shape = SIZES[size]
+    base = ["model=mlp", *(f"model.{k}={v}" for k, v in shape.items()), "optimizer=adam", "averager=none",
+            "sharding=full_shard", "wandb.mode=disabled", "train.batch_size=2", "train.seq_len=16",
+            "dist.threads_per_rank=1", f"launcher.nproc={ranks}"]
+    cfgs = {}
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        for mode, overrides in MODES.items():
+            cfg = compose("config", overrides=[*base, *overrides, f"checkpoint.dir={ckpt_root / mode}"])
+            try:
+                validate(cfg, ranks, torch.cuda.is_available())
+            except ConfigError as e:
+                raise SystemExit(f"bench/checkpoint.py: the config cannot run:\n\n{e}") from None
+            cfgs[mode] = OmegaConf.to_container(cfg, resolve=True)
+    return cfgs
+
+
+def parameter_count(cfg: dict) -> int:
+    model = build_model(OmegaConf.create(cfg["model"]), cfg["train"]["seq_len"])  # meta device: no memory
+    return sum(p.numel() for p in model.parameters())
+
+
+# --- one rank ---------------------------------------------------------------------
+
+
+def torch_save_limit(state: dict, path: Path) -> tuple[float, int]:
+    """Seconds and bytes of one durable single-process torch.save of `state`."""
+    start = time.perf_counter()
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    return time.perf_counter() - start, path.stat().st_size
+
+
+def worker(cfgs: dict[str, dict], rounds: int, work_dir: str) -> dict | None:
+    """One rank: build the job, one Adam step, then `rounds` rounds of every mode + the limit."""
+    work = Path(work_dir)
+    cfg = OmegaConf.create(cfgs["full"])
+    env = init_distributed(cfg.train.device, cfg.dist.timeout_s, cfg.dist.threads_per_rank)
+    run_dir = work / "run"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    setup_logging(run_dir, env.rank)  # as under train.py: rank 0 logs each save to stdout
+    try:
+        job = build_job(cfg, env)
+        inputs, targets = job.data.next_batch()  # one step, so the Adam state exists
+        job.model(inputs, targets).backward()
+        job.optimizer.step()
+        job.optimizer.zero_grad(set_to_none=True)
+        extra = checkpoint_state(job)
+        checkpointers = {mode: Checkpointer(OmegaConf.create(c).checkpoint, run_dir, OmegaConf.create(c), env.rank)
+                         for mode, c in cfgs.items()}
+
+        # The limit's payload: what full mode writes to full.pt, gathered once onto rank 0 (untimed).
+        model_sd, optim_sd = get_state_dict(job.model, inner_optimizer(job.optimizer))
+        full_state = gather_full({"model": model_sd, "optim": optim_sd}, keep=env.is_main)
+        del model_sd, optim_sd
+        limit_file = work / "limit.pt"
+
+        names = [*cfgs, LIMIT]
+        results = {name: [] for name in names}
+        orders = []
+        for r in range(rounds):
+            order = names[r % len(names):] + names[:r % len(names)]
+            orders.append(order)
+            for name in order:
+                dist.barrier()
+                if name == LIMIT:
+                    if env.is_main:
+                        seconds, nbytes = torch_save_limit(full_state, limit_file)
+                        results[name].append({"state_dict_s": 0.0, "blocked_s": seconds, "durable_s": seconds,
+                                              "bytes": nbytes})
+                        limit_file.unlink()
+                    continue
+                ckpt = checkpointers[name]
+                row = ckpt.save(job, r + 1, extra)
+                blocked = row["checkpoint/save_s"]
+                if ckpt.async_save:
+                    row.update(ckpt.wait())  # write_s: from the start of save until durable
+                    durable = row["checkpoint/write_s"]
+                else:
+                    durable = row["checkpoint/save_s"]
+                slowest = torch.tensor([row["checkpoint/state_dict_s"], blocked, durable], dtype=torch.float64)
+                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+                if env.is_main:
+                    state_dict_s, blocked_s, durable_s = slowest.tolist()
+                    results[name].append({"state_dict_s": state_dict_s, "blocked_s": blocked_s,
+                                          "durable_s": durable_s, "bytes": row["checkpoint/bytes"]})
+                    shutil.rmtree(ckpt.root)  # untimed: keeps the disk to one checkpoint at a time
+            dist.barrier()
+
+        peak_rss = [None] * env.world_size
+        dist.all_gather_object(peak_rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        if env.is_main:
+            return {"params": sum(p.numel() for p in job.model.parameters()), "results": results,
+                    "orders": orders, "peak_rss": peak_rss, "threads": torch.get_num_threads(),
+                    "backend": dist.get_backend(), "device": str(env.device)}
+        return None
+    finally:
+        teardown()
+
+
+# --- the parent ---------------------------------------------------------------------
+
+
+def summarize(runs: dict[str, list[dict]]) -> dict:
+    """Medians per measured name; MB/s is per round, then the median."""
+    out = {}
+    for name, rows in runs.items():
+        out[name] = {key: statistics.median(r[key] for r in rows)
+                     for key in ("state_dict_s", "blocked_s", "durable_s", "bytes")}
+        out[name]["mb_s"] = statistics.median(r["bytes"] / 1e6 / r["durable_s"] for r in rows)
+        out[name]["durable_range"] = (min(r["durable_s"] for r in rows), max(r["durable_s"] for r in rows))
+    return out
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "MISS"
+
+
+def print_report(configs: list[dict], rounds: int) -> None:
+    header = (f"{'size':>5} {'params':>12} {'ranks':>5} {'mode':<14} {'state_dict s':>12} {'blocked s':>10} "
+              f"{'durable s':>10} {'durable min-max':>16} {'GB':>6} {'MB/s':>7} {'vs limit':>8}")
+    print(f"\nmedians over {rounds} round(s); times are the slowest rank's; GB = 1e9 bytes\n")
+    print(header)
+    print("-" * len(header))
+    for c in configs:
+        s = c["summary"]
+        limit = s[LIMIT]["mb_s"]
+        for name in [*MODES, LIMIT]:
+            m = s[name]
+            lo, hi = m["durable_range"]
+            sd = "-" if name == LIMIT else f"{m['state_dict_s']:.3f}"
+            ranks = "1" if name == LIMIT else str(c["ranks"])
+            print(f"{c['size']:>5} {c['params']:>12,} {ranks:>5} {name:<14} {sd:>12} {m['blocked_s']:>10.3f} "
+                  f"{m['durable_s']:>10.3f} {f'{lo:.2f}-{hi:.2f}':>16} {m['bytes'] / 1e9:>6.2f} "
+                  f"{m['mb_s']:>7.0f} {m['mb_s'] / limit:>8.2f}")
+        print()
+
+    print(f"async save, blocked time / synchronous sharded save (target <= {ASYNC_TARGET:.0%}):")
+    for c in configs:
+        s = c["summary"]
+        ratio = s["sharded+async"]["blocked_s"] / s["sharded"]["blocked_s"]
+        print(f"  {c['size']:>5} x {c['ranks']} ranks: {s['sharded+async']['blocked_s']:.3f} s / "
+              f"{s['sharded']['blocked_s']:.3f} s = {ratio:6.1%}  {verdict(ratio <= ASYNC_TARGET)}"
+              f"   (of which state_dict {s['sharded+async']['state_dict_s']:.3f} s)")
+
+    print(f"\nsharded throughput / single-process torch.save + fsync (target >= {THROUGHPUT_TARGET}):")
+    for c in configs:
+        s = c["summary"]
+        ratio = s["sharded"]["mb_s"] / s[LIMIT]["mb_s"]
+        async_ratio = s["sharded+async"]["mb_s"] / s[LIMIT]["mb_s"]
+        print(f"  {c['size']:>5} x {c['ranks']} ranks: {s['sharded']['mb_s']:.0f} / {s[LIMIT]['mb_s']:.0f} MB/s = "
+              f"{ratio:.2f}  {verdict(ratio >= THROUGHPUT_TARGET)}   (async, start to durable: {async_ratio:.2f})")
+
+    print("\nfull mode: consolidation (state_dict_s, gather onto rank 0) and its share of the full save:")
+    for c in configs:
+        f = c["summary"]["full"]
+        print(f"  {c['size']:>5} x {c['ranks']} ranks: {f['state_dict_s']:.3f} s of {f['durable_s']:.3f} s "
+              f"({f['state_dict_s'] / f['durable_s']:.0%}), {f['bytes'] / 1e9 / f['state_dict_s']:.2f} GB/s gathered;"
+              f" sharded state_dict {c['summary']['sharded']['state_dict_s']:.3f} s")
+
+    print("\npeak RSS per rank (GB, rank 0 holds the limit's full copy of the state):")
+    for c in configs:
+        print(f"  {c['size']:>5} x {c['ranks']} ranks: " + ", ".join(f"{b / 1e9:.2f}" for b in c["peak_rss"]))
+
+
+def fs_type(path: Path) -> str:
+    best = ("?", "")
+    with open("/proc/mounts") as f:
+        for line in f:
+            dev, mount, kind = line.split()[:3]
+            if str(path.resolve()).startswith(mount) and len(mount) >= len(best[1]):
+                best = (f"{kind} ({dev} on {mount})", mount)
+    return best[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="10m,50m,200m", help=f"comma list of {', '.join(SIZES)}")
+    parser.add_argument("--ranks", default="2,4", help="comma list of rank counts")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dir", default=None, help="parent of the temporary directory (default: system temp dir)")
+    args = parser.parse_args()
+    sizes = args.sizes.split(",")
+    if unknown := [s for s in sizes if s not in SIZES]:
+        parser.error(f"unknown --sizes {unknown}; choose from {', '.join(SIZES)}")
+    ranks_list = [int(n) for n in args.ranks.split(",")]
+    if args.rounds < 1 or min(ranks_list) < 1:
+        parser.error("need --rounds >= 1 and rank counts >= 1")
+
+    register_configs()
+    tmp = tempfile.TemporaryDirectory(prefix="harness-ckpt-bench-", dir=args.dir)
+    root = Path(tmp.name)
+    cpus = len(os.sched_getaffinity(0))
+    mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    print(f"command:  {' '.join(['python', *sys.argv])}")
+    print(f"machine:  {cpus} cores, {mem_gb:.0f} GB RAM, {platform.platform()}, Python {platform.python_version()}")
+    print(f"torch:    {torch.__version__}")
+    print(f"disk:     {root} on {fs_type(root)}, {shutil.disk_usage(root).free / 1e9:.0f} GB free")
+    print("setup:    model=mlp, optimizer=adam (state after one step), averager=none, sharding=full_shard, "
+          "batch 2x16, dist.threads_per_rank=1")
+
+    configs = []
+    try:
+        for size in sizes:
+            for ranks in ranks_list:
+                work = root / f"{size}-{ranks}"
+                cfgs = compose_configs(size, ranks, work / "checkpoints")
+                params = parameter_count(cfgs["full"])
+                need = 2 * 12 * params  # one checkpoint + the limit file, fp32 params + 2 Adam moments
+                if shutil.disk_usage(root).free < 1.2 * need:
+                    raise SystemExit(f"bench/checkpoint.py: {size} needs ~{need / 1e9:.1f} GB free under {root}; "
+                                     "pass --dir on a larger disk")
+                print(f"\n== {size} ({params:,} parameters) x {ranks} ranks: {args.rounds} round(s) ==", flush=True)
+                launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=ranks, rdzv_backend="c10d",
+                                      rdzv_endpoint="localhost:0", run_id=f"bench-{uuid.uuid4().hex[:8]}",
+                                      max_restarts=0, start_method="fork", monitor_interval=0.1)
+                start = time.perf_counter()
+                out = elastic_launch(launch, worker)(cfgs, args.rounds, str(work))[0]
+                shutil.rmtree(work, ignore_errors=True)
+                print(f"   done in {time.perf_counter() - start:.0f} s; round orders: "
+                      + " | ".join(",".join(o) for o in out["orders"]), flush=True)
+                configs.append({"size": size, "ranks": ranks, "params": out["params"], "peak_rss": out["peak_rss"],
+                                "summary": summarize(out["results"])})
+    finally:
+        tmp.cleanup()
+    print(f"\nranks:    backend {out['backend']}, device {out['device']}, {out['threads']} thread(s) per rank")
+    print_report(configs, args.rounds)
+
+
+if __name__ == "__main__":
+    main()
