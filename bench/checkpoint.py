@@ -71,8 +71,8 @@ from harness.models import build_model  # noqa: E402
 # model=mlp shapes: params = 2*vocab*d_model + n_layer*(2*d_model*hidden + hidden + 3*d_model) + 2*d_model
 SIZES = {
     "10m": {"vocab_size": 256, "d_model": 512, "hidden": 2048, "n_layer": 5},     # 10,766,848
-    "50m": {"vocab_size": 256, "d_model": 1024, "hidden": 4096, "n_layer": 6},    # 50,899,968
-    "200m": {"vocab_size": 256, "d_model": 1024, "hidden": 4096, "n_layer": 24},  # 202,023,936
+    "50m": {"vocab_size": 256, "d_model": 1024, "hidden": 4096, "n_layer": 6},    # 50,900,992
+    "200m": {"vocab_size": 256, "d_model": 1024, "hidden": 4096, "n_layer": 24},  # 202,024,960
 }
 MODES = {  # name -> checkpoint overrides
     "full": ["checkpoint=full"],

@@ -109,7 +109,8 @@ def test_resume_in_every_mode_is_bitwise_equal_to_an_uninterrupted_run(layout, t
 @pytest.mark.slow
 def test_full_checkpoint_loads_in_a_plain_process_without_torch_distributed(tmp_path, cli_env):
     run = tmp_path / "run"
-    train(run, cli_env, *LAYOUTS["2x2"], "averager=none", "train.steps=3", "checkpoint=full")
+    train(run, cli_env, "launcher.nproc=4", "sharding=hybrid_shard", "sharding.replicate=2", "averager=none",
+          "train.steps=3", "checkpoint=full")
     code = f"""
 import torch, torch.distributed as dist
 from omegaconf import OmegaConf
@@ -137,7 +138,8 @@ def probe(ckpt: Path, out: Path, nproc: int, env: dict, *overrides: str) -> dict
 @pytest.mark.slow
 def test_sharded_checkpoint_reshards_exactly_and_training_continues(tmp_path, cli_env):
     """Saved by 4 ranks full_shard; loaded into 2 ranks full_shard and 4 ranks
-    hybrid_shard: the parameters are exactly the saved ones."""
+    hybrid_shard (sharded) and into 2 ranks no_shard (full): the parameters are
+    exactly the saved ones."""
     run = tmp_path / "run"
     train(run, cli_env, "launcher.nproc=4", "sharding=full_shard", "averager=none", "train.steps=4",
           "checkpoint=sharded")
@@ -147,6 +149,13 @@ def test_sharded_checkpoint_reshards_exactly_and_training_continues(tmp_path, cl
         got = probe(step_dir, tmp_path / f"probe{nproc}.pt", nproc, cli_env, "averager=none", *layout)
         assert_bitwise_equal(got["model"], saved)
         assert got["step"] == 4 and got["samples"] == 4 * 4 * 4  # the data position is global
+    full_run = tmp_path / "full"  # a full checkpoint loads into any layout too
+    train(full_run, cli_env, "launcher.nproc=4", "sharding=full_shard", "averager=none", "train.steps=4",
+          "checkpoint=full")
+    got = probe(full_run / "checkpoints" / "step_4", tmp_path / "probe_full.pt", 2, cli_env, "averager=none",
+                "sharding=no_shard")
+    assert_bitwise_equal(got["model"], saved_state(full_run / "checkpoints" / "step_4", tmp_path)["model"])
+    assert_bitwise_equal(got["model"], saved)  # and the two modes saved the same parameters
     more = tmp_path / "more"  # and training goes on from there on 2 ranks
     train(more, cli_env, "launcher.nproc=2", "sharding=full_shard", "averager=none", "train.steps=6",
           "checkpoint=sharded", f"checkpoint.resume={step_dir}")
