@@ -76,6 +76,7 @@ def run(cfg: DictConfig, run_dir: Path) -> None:
         train(job, sink, cfg.train, env, state, checkpointer)
         if final := checkpointer.wait():  # the last async save is durable before we exit
             sink.log(final, state.step)
+        checkpointer.close()
         dist.barrier()  # no rank tears down while a peer still has collectives in flight
     finally:
         if sink is not None:
@@ -114,6 +115,7 @@ def train(job: Job, sink: MetricsSink, cfg: DictConfig, env: DistEnv, state: Tra
         loss.backward()
         if cfg.grad_clip > 0 or log_step:  # the norm costs an all-reduce: only when clipping or logging
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
+        checkpointer.wait_for_staging()  # an async save copies the parameters before they change
         optimizer.step()  # with an averager: the local step, then maybe averaging across replicas
         optimizer.zero_grad(set_to_none=True)
         state.step = step
