@@ -226,7 +226,9 @@ class PendingSave:
 class Checkpointer:
     """Saves on schedule (at most one async save in flight), loads at start.
 
-    Collective: every rank calls `after_step` every step and `wait` at the end. Only rank 0 writes `meta.json`, renames and deletes.
+    Collective: every rank calls `wait_for_staging` before each optimizer step,
+    `after_step` after it, and `wait` at the end. Only rank 0 writes
+    `meta.json`, renames and deletes.
     """
 
     def __init__(self, cfg: DictConfig, run_dir: Path, config: DictConfig, rank: int):
