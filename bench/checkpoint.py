@@ -2,16 +2,27 @@
 
 What is measured, per configuration (model size x rank count), for each save
 mode - `checkpoint=full`, `checkpoint=sharded`, `checkpoint=sharded
-checkpoint.async=true` - the metrics `Checkpointer.save` itself returns:
+checkpoint.async=true` - from the metrics `Checkpointer` itself returns:
 
     state_dict s   checkpoint/state_dict_s: collecting the state (full mode: the
                    one-tensor-at-a-time gather onto rank 0, i.e. consolidation)
-    blocked s      checkpoint/save_s: how long the training loop was blocked
+    save s         checkpoint/save_s: time inside `save()` (synchronous: the whole
+                   save; async: until the background staging + write are launched)
+    stg wait s     async only: checkpoint/staging_wait_s, the time
+                   `wait_for_staging()` waited for the background staging copy
+                   right before the next `optimizer.step()`
+    blocked s      how long the training loop was blocked: save s (+ stg wait s)
     durable s      start of the save until the checkpoint is committed (fsync'd,
                    renamed): save_s for synchronous saves; for the async save the
-                   checkpoint/write_s that `Checkpointer.wait()` returns
+                   checkpoint/write_s that `Checkpointer.wait()` returns, except
+                   that when the write finished before the loop reached `wait()`
+                   it is the write's completion + the commit (no idle time)
     GB, MB/s       checkpoint/bytes (all files of the step_<N> directory), and
                    bytes / durable s
+    fwd+bwd s      the next training step's forward + backward + grad clip (as
+                   the loop does it), run right after `save()` returned: with the
+                   async save in flight it competes with the background copy and
+                   write for the CPU (the hidden cost of the async save)
 
 and, as the practical limit of this disk, one process doing `torch.save` of
 the same full state (model + Adam state, whole tensors, gathered once with the
@@ -20,21 +31,27 @@ then flush + os.fsync.
 
 How: the real Hydra config is composed (model=mlp sized by `--sizes`,
 optimizer=adam, averager=none, sharding=full_shard, batch 2x16, one thread per
-rank) and each configuration is one elastic launch of N ranks (fork). The ranks
-build the job with `build_job`, take one optimizer step so Adam state exists,
-and then run `--rounds` rounds; a round saves once in every mode (step =
-round + 1, each mode into its own `checkpoint.dir`) and runs the torch.save
-limit on rank 0, in an order rotated every round to cancel drift. Every save
-starts after a barrier; a time is the slowest rank's. Each checkpoint is
-deleted (untimed) right after it is measured, so the disk holds at most one
-checkpoint plus the limit file at a time (200M parameters + Adam = 2.4 GB).
-All files go to one temporary directory (`--dir`, default the system temp
-dir), deleted at the end. Reported: medians over rounds, the async save's
-blocked time against the synchronous sharded save (target <= 10 %), sharded
+rank, train.grad_clip as configured) and each configuration is one elastic
+launch of N ranks (fork). The ranks build the job with `build_job`, take one
+optimizer step so Adam state exists, and then run `--rounds` rounds; a round
+saves once in every mode (step = round + 1, each mode into its own
+`checkpoint.dir`) and runs the torch.save limit on rank 0, in an order rotated
+every round to cancel drift. Every save starts after a barrier and is followed,
+as in `harness/loop.py` `train()`, by one training step: forward + backward
+(+ clip), `wait_for_staging()`, `optimizer.step()` + `zero_grad`, then
+`wait()` (a no-op for synchronous saves); every mode trains the same step, so
+the parameters keep training between saves. A time is the slowest rank's.
+Each checkpoint is deleted (untimed) right after it is measured, so the disk
+holds at most one checkpoint plus the limit file at a time (200M parameters +
+Adam = 2.4 GB). All files go to one temporary directory (`--dir`, default the
+system temp dir), deleted at the end. Reported: medians over rounds, the async
+save's blocked time (save_s + staging_wait_s) against the synchronous sharded
+save's save_s (target <= 10 %), the forward+backward slowdown of the step with
+the async save in flight against the steps after the synchronous saves, sharded
 throughput against the torch.save limit (target >= 0.8), and the full mode's
 consolidation cost by size and rank count.
 
-    python bench/checkpoint.py [--sizes 10m,50m,200m] [--ranks 2,4] [--rounds 3] [--dir DIR]
+    python bench/checkpoint.py [--sizes 10m,50m,200m] [--ranks 2,4] [--rounds 5] [--dir DIR]
 """
 
 from __future__ import annotations
@@ -120,6 +137,16 @@ def torch_save_limit(state: dict, path: Path) -> tuple[float, int]:
     return time.perf_counter() - start, path.stat().st_size
 
 
+def train_step_compute(job, grad_clip: float) -> float:
+    """Seconds of one step's compute before `optimizer.step()`, as in the loop: forward, backward, clip."""
+    start = time.perf_counter()
+    inputs, targets = job.data.next_batch()
+    job.model(inputs, targets).backward()
+    if grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(job.model.parameters(), grad_clip)
+    return time.perf_counter() - start
+
+
 def worker(cfgs: dict[str, dict], rounds: int, work_dir: str) -> dict | None:
     """One rank: build the job, one Adam step, then `rounds` rounds of every mode + the limit."""
     work = Path(work_dir)
@@ -155,26 +182,47 @@ def worker(cfgs: dict[str, dict], rounds: int, work_dir: str) -> dict | None:
                 if name == LIMIT:
                     if env.is_main:
                         seconds, nbytes = torch_save_limit(full_state, limit_file)
-                        results[name].append({"state_dict_s": 0.0, "blocked_s": seconds, "durable_s": seconds,
+                        results[name].append({"state_dict_s": 0.0, "save_s": seconds, "staging_wait_s": 0.0,
+                                              "blocked_s": seconds, "durable_s": seconds, "step_s": 0.0,
                                               "bytes": nbytes})
                         limit_file.unlink()
                     continue
                 ckpt = checkpointers[name]
                 row = ckpt.save(job, r + 1, extra)
-                blocked = row["checkpoint/save_s"]
+                done_at = []  # when the async write's future completed (the commit is still to come)
                 if ckpt.async_save:
-                    row.update(ckpt.wait())  # write_s: from the start of save until durable
+                    ckpt.pending.written.add_done_callback(lambda _: done_at.append(time.perf_counter()))
+                    started = ckpt.pending.started
+                # One training step, in the loop's order (harness/loop.py train()), after every mode's save,
+                # so each round trains the same number of steps; only the async save is still in flight here.
+                step_s = train_step_compute(job, cfg.train.grad_clip)
+                ckpt.wait_for_staging()  # async: waits for the staging copy, adds to pending.staging_wait_s
+                job.optimizer.step()
+                job.optimizer.zero_grad(set_to_none=True)
+                if ckpt.async_save:
+                    wait_start = time.perf_counter()
+                    row.update(ckpt.wait())  # write_s: from the start of save until durable (committed)
+                    staging_wait = row["checkpoint/staging_wait_s"]
                     durable = row["checkpoint/write_s"]
+                    if done_at and done_at[0] < wait_start:
+                        # Written before the loop got to wait(): durable = written + the commit, not + idle.
+                        durable = done_at[0] - started + (time.perf_counter() - wait_start)
                 else:
+                    staging_wait = 0.0
                     durable = row["checkpoint/save_s"]
-                slowest = torch.tensor([row["checkpoint/state_dict_s"], blocked, durable], dtype=torch.float64)
+                save_s = row["checkpoint/save_s"]
+                slowest = torch.tensor([row["checkpoint/state_dict_s"], save_s, staging_wait, save_s + staging_wait,
+                                        durable, step_s], dtype=torch.float64)
                 dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
                 if env.is_main:
-                    state_dict_s, blocked_s, durable_s = slowest.tolist()
-                    results[name].append({"state_dict_s": state_dict_s, "blocked_s": blocked_s,
-                                          "durable_s": durable_s, "bytes": row["checkpoint/bytes"]})
+                    state_dict_s, save_s, staging_wait_s, blocked_s, durable_s, step_s = slowest.tolist()
+                    results[name].append({"state_dict_s": state_dict_s, "save_s": save_s,
+                                          "staging_wait_s": staging_wait_s, "blocked_s": blocked_s,
+                                          "durable_s": durable_s, "step_s": step_s, "bytes": row["checkpoint/bytes"]})
                     shutil.rmtree(ckpt.root)  # untimed: keeps the disk to one checkpoint at a time
             dist.barrier()
+        for ckpt in checkpointers.values():
+            ckpt.close()
 
         peak_rss = [None] * env.world_size
         dist.all_gather_object(peak_rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
@@ -195,7 +243,8 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
     out = {}
     for name, rows in runs.items():
         out[name] = {key: statistics.median(r[key] for r in rows)
-                     for key in ("state_dict_s", "blocked_s", "durable_s", "bytes")}
+                     for key in ("state_dict_s", "save_s", "staging_wait_s", "blocked_s", "durable_s", "step_s",
+                                 "bytes")}
         out[name]["mb_s"] = statistics.median(r["bytes"] / 1e6 / r["durable_s"] for r in rows)
         out[name]["durable_range"] = (min(r["durable_s"] for r in rows), max(r["durable_s"] for r in rows))
     return out
@@ -205,10 +254,25 @@ def verdict(ok: bool) -> str:
     return "PASS" if ok else "MISS"
 
 
+SYNC_MODES = ("full", "sharded")  # their step runs with no save in flight: the baseline step
+
+
+def step_times(c: dict) -> tuple[float, float]:
+    """Median forward+backward(+clip) seconds: with no save in flight (the steps after the synchronous
+    saves) and with the async save in flight."""
+    base = statistics.median(r["step_s"] for mode in SYNC_MODES for r in c["runs"][mode])
+    return base, c["summary"]["sharded+async"]["step_s"]
+
+
 def print_report(configs: list[dict], rounds: int) -> None:
-    header = (f"{'size':>5} {'params':>12} {'ranks':>5} {'mode':<14} {'state_dict s':>12} {'blocked s':>10} "
-              f"{'durable s':>10} {'durable min-max':>16} {'GB':>6} {'MB/s':>7} {'vs limit':>8}")
-    print(f"\nmedians over {rounds} round(s); times are the slowest rank's; GB = 1e9 bytes\n")
+    header = (f"{'size':>5} {'params':>12} {'ranks':>5} {'mode':<14} {'state_dict s':>12} {'save s':>8} "
+              f"{'stg wait s':>10} {'blocked s':>10} {'durable s':>10} {'durable min-max':>16} {'GB':>6} "
+              f"{'MB/s':>7} {'vs limit':>8} {'fwd+bwd s':>9}")
+    print(f"\nmedians over {rounds} round(s), each column on its own; times are the slowest rank's; GB = 1e9 bytes")
+    print("save s = checkpoint/save_s (time inside save()); stg wait s = checkpoint/staging_wait_s (async: the wait\n"
+          "for the staging copy before optimizer.step()); blocked s = the loop's blocked time, save s + stg wait s\n"
+          "per round; fwd+bwd s = the next training step's forward + backward + grad clip, right after save()\n"
+          "returned (async: with the save in flight)\n")
     print(header)
     print("-" * len(header))
     for c in configs:
@@ -218,19 +282,35 @@ def print_report(configs: list[dict], rounds: int) -> None:
             m = s[name]
             lo, hi = m["durable_range"]
             sd = "-" if name == LIMIT else f"{m['state_dict_s']:.3f}"
+            wait = f"{m['staging_wait_s']:.3f}" if name == "sharded+async" else "-"
+            step = "-" if name == LIMIT else f"{m['step_s']:.3f}"
             ranks = "1" if name == LIMIT else str(c["ranks"])
-            print(f"{c['size']:>5} {c['params']:>12,} {ranks:>5} {name:<14} {sd:>12} {m['blocked_s']:>10.3f} "
-                  f"{m['durable_s']:>10.3f} {f'{lo:.2f}-{hi:.2f}':>16} {m['bytes'] / 1e9:>6.2f} "
-                  f"{m['mb_s']:>7.0f} {m['mb_s'] / limit:>8.2f}")
+            print(f"{c['size']:>5} {c['params']:>12,} {ranks:>5} {name:<14} {sd:>12} {m['save_s']:>8.3f} {wait:>10} "
+                  f"{m['blocked_s']:>10.3f} {m['durable_s']:>10.3f} {f'{lo:.2f}-{hi:.2f}':>16} "
+                  f"{m['bytes'] / 1e9:>6.2f} {m['mb_s']:>7.0f} {m['mb_s'] / limit:>8.2f} {step:>9}")
         print()
 
-    print(f"async save, blocked time / synchronous sharded save (target <= {ASYNC_TARGET:.0%}):")
+    print(f"async save, loop blocked time (save_s + staging_wait_s) / synchronous sharded save_s "
+          f"(target <= {ASYNC_TARGET:.0%}):")
     for c in configs:
         s = c["summary"]
-        ratio = s["sharded+async"]["blocked_s"] / s["sharded"]["blocked_s"]
-        print(f"  {c['size']:>5} x {c['ranks']} ranks: {s['sharded+async']['blocked_s']:.3f} s / "
-              f"{s['sharded']['blocked_s']:.3f} s = {ratio:6.1%}  {verdict(ratio <= ASYNC_TARGET)}"
-              f"   (of which state_dict {s['sharded+async']['state_dict_s']:.3f} s)")
+        a = s["sharded+async"]
+        ratio = a["blocked_s"] / s["sharded"]["blocked_s"]
+        print(f"  {c['size']:>5} x {c['ranks']} ranks: {a['blocked_s']:.3f} s (save {a['save_s']:.3f} + staging wait "
+              f"{a['staging_wait_s']:.3f}) / {s['sharded']['blocked_s']:.3f} s = {ratio:6.1%}  "
+              f"{verdict(ratio <= ASYNC_TARGET)}   (of which state_dict {a['state_dict_s']:.3f} s)")
+
+    print("\nhidden cost of the async save: forward+backward(+clip) of the step with the save in flight vs with\n"
+          "none in flight (median of the steps after the full and sharded saves); and blocked + that slowdown\n"
+          "against the synchronous sharded save_s:")
+    for c in configs:
+        s = c["summary"]
+        base, busy = step_times(c)
+        extra = busy - base
+        total = s["sharded+async"]["blocked_s"] + extra
+        print(f"  {c['size']:>5} x {c['ranks']} ranks: {busy:.3f} s vs {base:.3f} s = {busy / base - 1:+6.0%} "
+              f"({extra:+.3f} s); blocked + slowdown {total:.3f} s = {total / s['sharded']['blocked_s']:6.1%} "
+              f"of the sync sharded save")
 
     print(f"\nsharded throughput / single-process torch.save + fsync (target >= {THROUGHPUT_TARGET}):")
     for c in configs:
@@ -266,7 +346,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="10m,50m,200m", help=f"comma list of {', '.join(SIZES)}")
     parser.add_argument("--ranks", default="2,4", help="comma list of rank counts")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dir", default=None, help="parent of the temporary directory (default: system temp dir)")
     args = parser.parse_args()
     sizes = args.sizes.split(",")
@@ -309,7 +389,7 @@ def main() -> None:
                 print(f"   done in {time.perf_counter() - start:.0f} s; round orders: "
                       + " | ".join(",".join(o) for o in out["orders"]), flush=True)
                 configs.append({"size": size, "ranks": ranks, "params": out["params"], "peak_rss": out["peak_rss"],
-                                "summary": summarize(out["results"])})
+                                "summary": summarize(out["results"]), "runs": out["results"]})
     finally:
         tmp.cleanup()
     print(f"\nranks:    backend {out['backend']}, device {out['device']}, {out['threads']} thread(s) per rank")
