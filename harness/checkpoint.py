@@ -272,6 +272,10 @@ class Checkpointer:
             self._remove_leftovers()
             partial.mkdir(parents=True)
         dist.barrier()
+        if not _finite_on_every_rank(job.model, inner_optimizer(job.optimizer)):
+            raise CheckpointError(f"refusing to save step {step}: parameters or optimizer state hold NaN/inf, and a "
+                                  "checkpoint must never hold them. Fix: lower optimizer.lr or keep train.grad_clip > 0, "
+                                  "and resume from the last checkpoint.")
         model_sd, optim_sd = get_state_dict(job.model, inner_optimizer(job.optimizer))
         rngs = [None] * dist.get_world_size() if self.rank == 0 else None
         dist.gather_object(rng_state(), rngs, dst=0)
@@ -443,6 +447,13 @@ def _local_tensors(model: torch.nn.Module, optim: torch.optim.Optimizer) -> list
         tensors += [local(v) for v in optim.state.get(p, {}).values()
                     if torch.is_tensor(v) and v.is_floating_point() and v.dim() > 0]
     return tensors
+
+
+def _finite_on_every_rank(model: torch.nn.Module, optim: torch.optim.Optimizer) -> bool:
+    tensors = _local_tensors(model, optim)
+    finite = torch.tensor([int(all(bool(torch.isfinite(t).all()) for t in tensors))], device=tensors[0].device)
+    dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    return bool(finite.item())
 
 
 def _load_mean(job, optim, copies: int, load_copy) -> None:

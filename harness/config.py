@@ -54,6 +54,7 @@ class TrainConf:
     log_every: int = 10
     device: str = "auto"  # auto | cpu | cuda
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    nonfinite: str = "error"  # NaN/inf loss or gradients: error (stop) | skip (drop the step on every rank)
 
 
 # --- model ----------------------------------------------------------------------
@@ -235,6 +236,7 @@ def register_configs() -> None:
 # --- validation -----------------------------------------------------------------
 
 DEVICES = ("auto", "cpu", "cuda")
+NONFINITE = ("error", "skip")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 WANDB_MODES = ("offline", "online", "disabled")
 CHECKPOINT_MODES = ("none", "full", "sharded")
@@ -302,6 +304,9 @@ def _check_train(cfg: DictConfig, world_size: int, cuda_available: bool) -> list
     errors += _at_least(cfg, "train.grad_clip", 0, "set train.grad_clip=0 to disable clipping")
     if cfg.dist.threads_per_rank is not None:
         errors += _at_least(cfg, "dist.threads_per_rank", 1, "set dist.threads_per_rank=null (automatic)")
+    if cfg.train.nonfinite not in NONFINITE:
+        errors.append(f"train.nonfinite={cfg.train.nonfinite!r} is not one of {', '.join(NONFINITE)}. "
+                      "Fix: train.nonfinite=error (stop) or train.nonfinite=skip.")
     device = cfg.train.device
     if device not in DEVICES:
         errors.append(f"train.device={device!r} is not one of {', '.join(DEVICES)}. Fix: train.device=auto.")

@@ -10,6 +10,7 @@ import uuid
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -18,7 +19,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from harness.checkpoint import CheckpointError
 from harness.config import ConfigError, validate
 from harness.dist import agree_on_run_stamp, under_torchrun
-from harness.loop import run
+from harness.loop import NonFiniteLossError, run
 
 log = logging.getLogger("harness")
 LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
@@ -85,11 +86,19 @@ def worker(cfg: dict, run_dir: str) -> None:
 
 
 def run_rank(cfg: DictConfig, run_dir: Path) -> None:
-    """`run`, with a damaged or unfitting checkpoint reported as one message instead of a traceback."""
+    """`run`, with the failures a user can act on reported as one message instead of a traceback."""
     try:
         run(cfg, run_dir)
-    except CheckpointError as e:
+    except (CheckpointError, NonFiniteLossError) as e:
         log.error("%s", e)
+        sys.exit(1)
+    except (dist.DistError, RuntimeError) as e:
+        if "timed out" not in str(e).lower():
+            raise
+        log.error("a collective did not finish within dist.timeout_s=%d s (%s: %s): another rank stopped responding "
+                  "or died. Fix: find the failing rank in %s/logs/ and the launcher's output; raise dist.timeout_s "
+                  "if steps legitimately take longer.", cfg.dist.timeout_s, type(e).__name__,
+                  str(e).splitlines()[0][:200], run_dir)
         sys.exit(1)
 
 

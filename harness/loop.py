@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,7 +73,9 @@ def run(cfg: DictConfig, run_dir: Path) -> None:
         state = TrainState()
         path = resume_path(cfg.checkpoint, run_dir)
         if path is not None:
-            sink.log(restore(job, state, path, env.rank), state.step)
+            row = restore(job, state, path, env.rank)
+            sink.rewind(state.step)  # rows past the checkpoint are about to be logged again
+            sink.log(row, state.step)
         train(job, sink, cfg.train, env, state, checkpointer)
         if final := checkpointer.wait():  # the last async save is durable before we exit
             sink.log(final, state.step)
@@ -98,7 +101,8 @@ def restore(job: Job, state: TrainState, path: Path, rank: int) -> dict:
     if job.cross_replica is not None:
         job.cross_replica.load_state_dict(meta["cross_replica"], state.step)
     log.info("resumed from %s at step %d (%.2f s)", path, state.step, row["checkpoint/load_s"])
-    return {**row, "run/resumed_from_step": state.step}
+    return {**row, "run/resumed_from_step": state.step,
+            "run/restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))}
 
 
 def train(job: Job, sink: MetricsSink, cfg: DictConfig, env: DistEnv, state: TrainState,
@@ -113,16 +117,23 @@ def train(job: Job, sink: MetricsSink, cfg: DictConfig, env: DistEnv, state: Tra
         inputs, targets = job.data.next_batch()
         loss = model(inputs, targets)
         loss.backward()
+        grad_norm = None
         if cfg.grad_clip > 0 or log_step:  # the norm costs an all-reduce: only when clipping or logging
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
-        checkpointer.wait_for_staging()  # an async save copies the parameters before they change
-        optimizer.step()  # with an averager: the local step, then maybe averaging across replicas
+        finite = finite_on_every_rank(loss, grad_norm)
+        if finite:
+            checkpointer.wait_for_staging()  # an async save copies the parameters before they change
+            optimizer.step()  # with an averager: the local step, then maybe averaging across replicas
+        else:
+            skip_nonfinite_step(cfg.nonfinite, step)  # raises unless train.nonfinite=skip
         optimizer.zero_grad(set_to_none=True)
         state.step = step
 
         row = job.cross_replica.step_metrics() if job.cross_replica is not None else {}
         saved = checkpointer.after_step(job, step, cfg.steps, checkpoint_state(job))
         row.update(saved)
+        if not finite:
+            row["train/skipped_nonfinite"] = 1
         if log_step:
             mean_loss = mean_over_ranks(loss)  # also waits for the device, so the clock below is honest
             step_time = (time.perf_counter() - last_time) / (step - last_step)
@@ -134,8 +145,38 @@ def train(job: Job, sink: MetricsSink, cfg: DictConfig, env: DistEnv, state: Tra
                 log.info("step %d/%d | loss %.4f | %s tok/s | %.3f s/step", step, cfg.steps, mean_loss,
                          f"{row['train/tokens_per_s']:,.0f}", step_time)
             last_time, last_step = time.perf_counter(), step
-        elif row.get("averager/averaged") or saved:  # every averaging step and save gets a row
+        elif row.get("averager/averaged") or saved or not finite:  # so are averaging, save and skipped steps
             sink.log(row, step)
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss or gradients became NaN/inf; the message names the step and the fix."""
+
+
+def finite_on_every_rank(loss: torch.Tensor, grad_norm: torch.Tensor | None) -> bool:
+    """One 1-element all-reduce, so every rank takes the same decision (replicas
+    training on their own can disagree, and a rank skipping alone would hang the rest)."""
+    finite = torch.isfinite(loss.detach()).all()
+    if grad_norm is not None:
+        finite &= torch.isfinite(_local(grad_norm)).all()
+    flag = finite.to(torch.int32).reshape(1)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def skip_nonfinite_step(policy: str, step: int) -> None:
+    """`train.nonfinite=error` stops before the optimizer step (so no checkpoint
+    holds the values); `skip` drops this step's gradients on every rank."""
+    if policy == "error":
+        raise NonFiniteLossError(
+            f"train: the loss or gradients are not finite (NaN/inf) at step {step}; stopped before the optimizer "
+            "step, so no checkpoint holds non-finite values. Fix: lower optimizer.lr, keep train.grad_clip > 0, "
+            "resume from the last checkpoint, or train.nonfinite=skip to skip such steps.")
+    log.warning("step %d: non-finite loss or gradients; skipped on every rank (train.nonfinite=skip)", step)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _scalar(t: torch.Tensor) -> float:

@@ -35,6 +35,20 @@ class MetricsSink:
         if self.wandb_run is not None:
             self.wandb_run.log(row, step=step)
 
+    def rewind(self, step: int) -> None:
+        """Drop `metrics.jsonl` rows after `step` (a resumed run logs those steps
+        again, identically), so the file's x-axis stays strictly ordered. A new
+        W&B run starts at `step` anyway."""
+        if self.rows is None:
+            return
+        path = Path(self.rows.name)
+        self.rows.close()
+        kept = [line for line in path.read_text().splitlines(keepends=True) if _step_of(line) <= step]
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, path)
+        self.rows = open(path, "a", encoding="utf-8")
+
     def close(self) -> None:
         if self.rows is not None:
             self.rows.close()
@@ -48,6 +62,14 @@ class MetricsSink:
             # teardown waits for wandb-core to exit, so the files are complete.
             wandb.teardown()
             self.wandb_run = None
+
+
+def _step_of(line: str) -> float:
+    """A row's step; a line cut short by a killed process counts as past every step."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError):
+        return float("inf")
 
 
 def _start_wandb(run_dir: Path, cfg: Any, config: dict):
