@@ -45,11 +45,17 @@ def agree_on_run_stamp() -> None:
     exists before the config is validated.
     """
     global _store
-    _store, _, _ = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=600)))
+    store, _, _ = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=600)))
     key = "harness/run_stamp"
     if int(os.environ["RANK"]) == 0:
-        _store.set(key, time.strftime("%Y-%m-%d/%H-%M-%S"))
-    os.environ[RUN_STAMP_ENV] = _store.get(key).decode()
+        # set once: workers restarted by torchrun (--max-restarts) share the
+        # agent's store, so they find the first attempt's stamp, land in the
+        # same run dir and resume from its checkpoints
+        store.compare_set(key, "", time.strftime("%Y-%m-%d/%H-%M-%S"))
+    os.environ[RUN_STAMP_ENV] = store.get(key).decode()
+    # That store outlives a restart, and so would the previous attempt's
+    # process-group keys (gloo would dial dead ranks' addresses): one namespace per attempt.
+    _store = dist.PrefixStore(f"harness/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def init_distributed(device_name: str, timeout_s: int, threads_per_rank: int | None) -> DistEnv:
