@@ -6,7 +6,7 @@ import hydra
 
 from harness.config import register_configs
 from harness.launch import main as harness_main
-from harness.launch import prepare_torchrun_rank
+from harness.launch import prepare_torchrun_rank, refuse_unwritable_run_dir
 
 register_configs()
 
@@ -17,5 +17,6 @@ def main(cfg) -> None:
 
 
 if __name__ == "__main__":
+    refuse_unwritable_run_dir(sys.argv)
     prepare_torchrun_rank(sys.argv)
     main()

@@ -34,6 +34,7 @@ import re
 import shutil
 import time
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -193,6 +194,24 @@ def gather_full(state: Any, keep: bool) -> Any:
 _DROPPED = object()
 
 
+def _describe(e: BaseException) -> str:
+    """`Type: first line` of the error, or of the first rank's error inside DCP's CheckpointException."""
+    cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) and e.failures else e
+    return ": ".join([type(cause).__name__, *str(cause).splitlines()[:1]])[:300]
+
+
+@contextmanager
+def _writing(step: int, partial: Path):
+    """A failed write (disk full, permissions) as one message; the save stays uncommitted."""
+    try:
+        yield
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+        raise CheckpointError(
+            f"saving checkpoint step {step} to {str(partial)!r} failed ({_describe(e)}); it was not committed and "
+            "earlier checkpoints are untouched. Fix: free disk space or point checkpoint.dir at a disk with room "
+            "(checkpoint/bytes in metrics.jsonl says how much one checkpoint takes).") from e
+
+
 def _write_durably(obj: Any, path: Path) -> None:
     with open(path, "wb") as f:
         torch.save(obj, f)
@@ -291,7 +310,8 @@ class Checkpointer:
             state_dict_s = time.perf_counter() - start
             if keep:
                 name = FULL_FILE if layout.copy_key is None else f"{layout.copy_key}.pt"
-                _write_durably(payload, partial / name)
+                with _writing(step, partial):
+                    _write_durably(payload, partial / name)
         else:
             payload = {"model": model_sd, "optim": optim_sd}
             if layout.copy_key is not None:
@@ -304,9 +324,11 @@ class Checkpointer:
                                            rngs, start)
                 return {**row, "checkpoint/state_dict_s": state_dict_s,
                         "checkpoint/save_s": time.perf_counter() - start, "checkpoint/mode": self._mode_name()}
-            dcp.save(payload, checkpoint_id=str(partial))
+            with _writing(step, partial):
+                dcp.save(payload, checkpoint_id=str(partial))
         if self.rank == 0:
-            _write_durably(rngs, partial / "rng.pt")
+            with _writing(step, partial):
+                _write_durably(rngs, partial / "rng.pt")
         dist.barrier()  # every rank's part is on disk
         written = self._commit(partial, meta)
         return {**row, "checkpoint/state_dict_s": state_dict_s, "checkpoint/save_s": time.perf_counter() - start,
@@ -324,7 +346,8 @@ class Checkpointer:
         """Block until the save in flight (if any) is durable; its metrics."""
         if self.pending is None:
             return {}
-        self.pending.written.result()
+        with _writing(self.pending.meta["step"], self.pending.partial):
+            self.pending.written.result()
         return self._finish_async()
 
     def close(self) -> None:
@@ -335,8 +358,7 @@ class Checkpointer:
         # Only rank 0 commits; every rank collects its own future's outcome so
         # background errors surface. No collective here: ranks finish at different steps.
         if self.pending is not None and self.pending.written.done():
-            self.pending.written.result()
-            return self._finish_async()
+            return self.wait()
         return {}
 
     def _finish_async(self) -> dict:
@@ -344,7 +366,8 @@ class Checkpointer:
         # DCP's coordinator (rank 0) writes .metadata only after every rank's
         # files are written, so when rank 0's future is done the checkpoint is.
         if self.rank == 0:
-            _write_durably(pending.rngs, pending.partial / "rng.pt")
+            with _writing(pending.meta["step"], pending.partial):
+                _write_durably(pending.rngs, pending.partial / "rng.pt")
         written = self._commit(pending.partial, pending.meta)
         return {"checkpoint/write_s": time.perf_counter() - pending.started,
                 "checkpoint/staging_wait_s": pending.staging_wait_s, **written}
@@ -410,10 +433,8 @@ def load(path: Path, job, rank: int) -> tuple[dict, dict]:
                 t = time.perf_counter()
                 set_state_dict(job.model, optim, model_state_dict=model_sd, optim_state_dict=optim_sd)
         except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
-            cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) and e.failures else e
-            detail = ": ".join([type(cause).__name__, *str(cause).splitlines()[:1]])[:300]
             raise CheckpointError(
-                f"checkpoint.resume: loading {str(path)!r} failed ({detail}). "
+                f"checkpoint.resume: loading {str(path)!r} failed ({_describe(e)}). "
                 "The checkpoint is damaged or does not match this model. Fix: resume from an earlier checkpoint "
                 "(checkpoint.resume=<its step_<N> dir>) or start fresh (checkpoint.resume=never).") from e
         set_s += time.perf_counter() - t

@@ -262,6 +262,16 @@ def validate(cfg: DictConfig, world_size: int, cuda_available: bool, run_dir: Pa
         raise ConfigError("\n\n".join(errors))
 
 
+def config_warnings(cfg: DictConfig) -> list[str]:
+    """Configs that run but probably not as meant (a short smoke run is a fair reason)."""
+    avg = cfg.averager
+    if avg.name != "none" and avg.warmup_steps >= cfg.train.steps:
+        return [f"averager.warmup_steps={avg.warmup_steps} >= train.steps={cfg.train.steps}: every step is "
+                "synchronous and the averager never averages. For local SGD lower averager.warmup_steps; for "
+                "synchronous training say averager=none."]
+    return []
+
+
 def unknown_keys(cfg: DictConfig) -> list[str]:
     """Keys present in a schema'd node that its dataclass does not declare."""
     errors = []

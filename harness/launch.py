@@ -17,7 +17,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from harness.checkpoint import CheckpointError
-from harness.config import ConfigError, validate
+from harness.config import ConfigError, config_warnings, validate
 from harness.dist import agree_on_run_stamp, under_torchrun
 from harness.loop import NonFiniteLossError, run
 
@@ -26,7 +26,7 @@ LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
 
 
 def prepare_torchrun_rank(argv: list[str]) -> None:
-    """Before Hydra composes: agree on one run dir; only rank 0 writes `.hydra/`.
+    """Before Hydra composes: agree on one run dir.
 
     A sweep under torchrun is refused: every rank would run the sweep, and a
     rank that fails one job moves on while its peers' collectives pair up with
@@ -42,8 +42,20 @@ def prepare_torchrun_rank(argv: list[str]) -> None:
                       "then starts its own ranks.", file=sys.stderr)
             sys.exit(2)
         agree_on_run_stamp()
-        if int(os.environ["RANK"]) > 0:
-            argv.append("hydra.output_subdir=null")
+
+
+def refuse_unwritable_run_dir(argv: list[str]) -> None:
+    """Hydra creates the run dir before any harness code runs and fails with a
+    traceback when it cannot; say it in one line instead."""
+    given = [a.split("=", 1)[1] for a in argv[1:] if a.startswith("hydra.run.dir=")]
+    if "-m" in argv or "--multirun" in argv or (given and "${" in given[-1]):
+        return
+    path = Path(given[-1] if given else "outputs").expanduser().absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK):
+        print(f"harness: the run dir {str(path)!r} cannot be created: {existing} is not a writable directory. "
+              "Fix: hydra.run.dir=<a folder you can write to>.", file=sys.stderr)
+        sys.exit(2)
 
 
 def main(cfg: DictConfig) -> None:
@@ -52,17 +64,40 @@ def main(cfg: DictConfig) -> None:
     torchrun = under_torchrun()
     rank = int(os.environ["RANK"]) if torchrun else 0
     world_size = int(os.environ["WORLD_SIZE"]) if torchrun else cfg.launcher.nproc
-    setup_logging(run_dir, rank)
     try:
         validate(cfg, world_size, torch.cuda.is_available(), run_dir)
     except ConfigError as e:
         if rank == 0:
             print(f"harness: the config cannot run (world size {world_size}):\n\n{e}", file=sys.stderr)
+        _remove_if_empty(run_dir)
         sys.exit(2)
+    setup_logging(run_dir, rank)
+    if rank == 0:
+        save_hydra_config(cfg, run_dir)
+        for warning in config_warnings(cfg):
+            log.warning("%s", warning)
     if torchrun or world_size == 1:
         run_rank(cfg, run_dir)
     else:
         launch_local(cfg, run_dir, world_size)
+
+
+def _remove_if_empty(run_dir: Path) -> None:
+    """Hydra creates the run dir before the job starts; a job refused at validation leaves no trace."""
+    try:
+        run_dir.rmdir()
+    except OSError:  # not empty (an earlier run's files) or already gone
+        pass
+
+
+def save_hydra_config(cfg: DictConfig, run_dir: Path) -> None:
+    """`.hydra/` as Hydra writes it (config, hydra, overrides), once the config is known to run."""
+    hydra_cfg = HydraConfig.get()
+    out = run_dir / ".hydra"
+    out.mkdir(exist_ok=True)
+    OmegaConf.save(cfg, out / "config.yaml")
+    OmegaConf.save(OmegaConf.create({"hydra": hydra_cfg}), out / "hydra.yaml")
+    OmegaConf.save(hydra_cfg.overrides.task, out / "overrides.yaml")
 
 
 def launch_local(cfg: DictConfig, run_dir: Path, nproc: int) -> None:

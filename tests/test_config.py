@@ -221,3 +221,13 @@ def test_resume_auto_picks_the_latest_complete_checkpoint(tmp_path):
     validate(cfg, world_size=2, cuda_available=False, run_dir=run)
     cfg = make("checkpoint=sharded", f"checkpoint.resume={run / 'checkpoints'}")  # a folder: its latest
     assert resume_path(cfg.checkpoint, run) == run / "checkpoints" / "step_10"
+
+
+def test_warmup_past_the_last_step_warns_but_runs():
+    from harness.config import config_warnings
+
+    cfg = make("train.steps=8")  # the default warmup is 10
+    validate(cfg, world_size=2, cuda_available=False)
+    [warning] = config_warnings(cfg)
+    assert "averager.warmup_steps=10 >= train.steps=8" in warning and "averager=none" in warning
+    assert config_warnings(make()) == [] and config_warnings(make("averager=none", "train.steps=8")) == []

@@ -1,0 +1,114 @@
+"""Bad input through the real CLI: exit code != 0, one paragraph naming the
+key/value/path and the fix, and nothing written or overwritten."""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import FAST, TRAIN, run_cli
+
+MODEL = {"name": "gpt", "n_layer": 4, "n_head": 4, "d_model": 128, "vocab_size": 256}  # conf/model/gpt.yaml
+BASE = [o for o in FAST if not o.startswith("model=")]  # the default model: gpt
+
+
+def fake_checkpoint(step_dir: Path, **model) -> Path:
+    step_dir.mkdir(parents=True)
+    (step_dir / "meta.json").write_text(json.dumps({"step": 5, "model": {**MODEL, **model},
+                                                    "optimizer": "torch.optim.AdamW"}))
+    return step_dir
+
+
+def snapshot(root: Path) -> dict:
+    return {str(p.relative_to(root)): p.stat().st_mtime_ns for p in root.rglob("*")} if root.exists() else {}
+
+
+# (id, overrides, texts the message must contain); {tmp} is the test's tmp dir,
+# {run} the run dir. Hydra's own composition errors name the key but have no "Fix:".
+CASES = [
+    ("typo", ["train.stepz=3"], ["Key 'stepz' not in 'TrainConf'"]),
+    ("wrong type", ["averager.period=abc"], ["'abc'", "averager.period"]),
+    ("plus unknown key", ["+averager.perod=4"], ["Unknown config key 'averager.perod'", "Fix:"]),
+    ("unknown group option", ["optimizer=sgdd"], ["Could not find 'optimizer/sgdd'", "Available options"]),
+    ("zero steps", ["train.steps=0"], ["train.steps=0", "Fix:"]),
+    ("negative steps", ["train.steps=-5"], ["train.steps=-5", "Fix:"]),
+    ("zero period", ["averager.period=0"], ["averager.period=0", "Fix:"]),
+    ("negative warmup", ["averager.warmup_steps=-1"], ["averager.warmup_steps=-1", "Fix:"]),
+    ("negative lr", ["optimizer.lr=-0.1"], ["optimizer.lr=-0.1", "Fix:"]),
+    ("zero lr", ["optimizer.lr=0"], ["optimizer.lr=0", "Fix:"]),
+    ("not an optimizer argument", ["optimizer=sgd", "+optimizer.momentm=0.9"], ["optimizer.momentm", "Fix:"]),
+    ("replicate not dividing world", ["launcher.nproc=4", "sharding.replicate=3"],
+     ["sharding.replicate=3 does not divide the world size 4", "Fix:"]),
+    ("averaging with one replica", ["sharding=full_shard"], ["averager=periodic", "1 replica", "Fix:"]),
+    ("too many ranks", ["launcher.nproc=1000"], ["launcher.nproc=1000", "Fix:"]),
+    ("heads not dividing width", ["model.n_head=3"], ["model.d_model=128 is not divisible by model.n_head=3", "Fix:"]),
+    ("cuda without cuda", ["train.device=cuda"], ["train.device=cuda", "Fix:"]),
+    ("async full checkpoint", ["checkpoint=full", "checkpoint.async=true"], ["needs checkpoint=sharded", "Fix:"]),
+    ("unknown nonfinite policy", ["train.nonfinite=sometimes"], ["train.nonfinite='sometimes'", "Fix:"]),
+    ("text glob matches nothing", ["data=text", "data.root={tmp}", "data.glob=*.nothing"],
+     ["data.glob='*.nothing' matches no file", "Fix:"]),
+    ("checkpoint path missing", ["checkpoint.resume={tmp}/nowhere"], ["{tmp}/nowhere", "no such file", "Fix:"]),
+    ("checkpoint incomplete", ["checkpoint.resume={tmp}/incomplete"], ["{tmp}/incomplete", "no meta.json", "Fix:"]),
+    ("checkpoint corrupt", ["checkpoint.resume={tmp}/corrupt"], ["{tmp}/corrupt", "meta.json is unreadable", "Fix:"]),
+    ("checkpoint of another shape", ["checkpoint.resume={tmp}/narrow/step_5"],
+     ["holds another model", "model.d_model: saved 64, configured 128", "Fix:"]),
+    ("resume into another model size", ["checkpoint.resume={tmp}/deep/step_5"],
+     ["model.n_layer: saved 8, configured 4", "Fix:"]),
+    ("resume=never over checkpoints", ["checkpoint=sharded", "checkpoint.resume=never"],
+     ["{run}/checkpoints already holds checkpoints (step_5)", "Fix:"]),
+    ("unwritable run dir", ["hydra.run.dir={tmp}/a_file/run"], ["a_file is not a writable directory", "Fix:"]),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,overrides,expected", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_fails_clearly_and_writes_nothing(name, overrides, expected, tmp_path, cli_env):
+    if name == "cuda without cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    run = tmp_path / "run"
+    (tmp_path / "incomplete").mkdir()
+    (tmp_path / "corrupt").mkdir()
+    (tmp_path / "corrupt" / "meta.json").write_text("{truncated")
+    (tmp_path / "a_file").write_text("not a folder")
+    fake_checkpoint(tmp_path / "narrow" / "step_5", d_model=64)
+    fake_checkpoint(tmp_path / "deep" / "step_5", n_layer=8)
+    if name == "resume=never over checkpoints":
+        fake_checkpoint(run / "checkpoints" / "step_5")
+    before = snapshot(tmp_path)
+    args = [o.format(tmp=tmp_path, run=run) for o in overrides]
+    if not any(a.startswith("hydra.run.dir=") for a in args):
+        args.append(f"hydra.run.dir={run}")
+    proc = run_cli([*BASE, *args], cli_env, tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    for text in expected:
+        assert text.format(tmp=tmp_path, run=run) in out, f"{text!r} not in:\n{out}"
+    assert "Traceback" not in out
+    assert snapshot(tmp_path) == before, "a refused run wrote or changed files"
+
+
+@pytest.mark.slow
+def test_disk_full_during_a_save_fails_clearly_and_keeps_the_previous_checkpoint(tmp_path, cli_env):
+    """RLIMIT_FSIZE makes every write past 256 KiB fail with EFBIG, as a full disk would."""
+    run = tmp_path / "run"
+    args = [*FAST, "model.d_model=256", "averager=none", "sharding=full_shard", "checkpoint=full",
+            "checkpoint.interval=2", f"hydra.run.dir={run}"]
+    ok = run_cli([*args, "train.steps=2"], cli_env, tmp_path)
+    assert ok.returncode == 0, ok.stderr
+    before = snapshot(run / "checkpoints" / "step_2")
+    limit = 256 * 1024
+    proc = subprocess.run([sys.executable, str(TRAIN), *args, "train.steps=4"], env=cli_env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=240,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    # torch's zip writer reports the short write in its own words ("unexpected pos ..."), so match ours
+    assert "saving checkpoint step 4" in out and "was not committed" in out and "Fix: free disk space" in out
+    assert snapshot(run / "checkpoints" / "step_2") == before
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2", "step_4.partial"]
