@@ -200,6 +200,7 @@ class WandbConf:
     group: Optional[str] = None
     name: Optional[str] = None
     tags: List[str] = field(default_factory=list)
+    init_timeout_s: float = 90.0  # W&B's own default; online without network falls back to offline after this
 
 
 @dataclass

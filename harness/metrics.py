@@ -82,7 +82,7 @@ def _start_wandb(run_dir: Path, cfg: Any, config: dict):
         try:
             run = wandb.init(mode=mode, dir=str(run_dir), project=cfg.project, entity=cfg.entity,
                              group=cfg.group, name=cfg.name, tags=list(cfg.tags), config=config,
-                             settings=wandb.Settings(silent=True, console="off"))
+                             settings=wandb.Settings(silent=True, console="off", init_timeout=cfg.init_timeout_s))
         except Exception as e:  # wandb raises many types (UsageError, CommError, OSError, ...)
             log.warning("W&B mode=%s failed (%s: %s); %s", mode, type(e).__name__, str(e).splitlines()[0] if str(e) else "",
                         "falling back to offline" if mode != "offline" else "continuing without W&B")

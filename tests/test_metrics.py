@@ -13,7 +13,8 @@ from wandb_reader import find_run_files, read_run
 
 
 def wandb_cfg(**kw):
-    base = {"mode": "offline", "project": "p", "entity": None, "group": "g", "name": None, "tags": ["t"]}
+    base = {"mode": "offline", "project": "p", "entity": None, "group": "g", "name": None, "tags": ["t"],
+            "init_timeout_s": 90.0}
     return OmegaConf.create({**base, **kw})
 
 
@@ -75,3 +76,18 @@ def test_unwritable_wandb_dir_warns_and_training_logs_go_on(tmp_path, wandb_env,
 def test_sink_on_other_ranks_writes_nothing(tmp_path, wandb_env):
     log_rows(MetricsSink(tmp_path, wandb_cfg(), {}, enabled=False))
     assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "wandb").exists()
+
+
+@pytest.mark.slow
+def test_online_without_network_falls_back_to_offline(tmp_path, wandb_env, monkeypatch, caplog):
+    caplog.set_level(logging.WARNING)
+    monkeypatch.setenv("WANDB_API_KEY", "a" * 40)
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # nothing listens: connection refused
+    sink = MetricsSink(tmp_path, wandb_cfg(mode="online", init_timeout_s=10), {}, enabled=True)
+    assert sink.wandb_run is not None and sink.wandb_run.settings.mode == "offline"
+    log_rows(sink, n=2)
+    assert "W&B mode=online failed" in caplog.text and "falling back to offline" in caplog.text
+    # (the failed online attempt leaves W&B's own run-<id> folder next to it)
+    [offline] = [p for p in find_run_files(tmp_path / "wandb") if p.parent.name.startswith("offline-run-")]
+    assert [h["train/loss"] for h in read_run(offline)["history"]] == [5, 4]
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
