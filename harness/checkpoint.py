@@ -208,8 +208,9 @@ def _writing(step: int, partial: Path):
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         raise CheckpointError(
             f"saving checkpoint step {step} to {str(partial)!r} failed ({_describe(e)}); it was not committed and "
-            "earlier checkpoints are untouched. Fix: free disk space or point checkpoint.dir at a disk with room "
-            "(checkpoint/bytes in metrics.jsonl says how much one checkpoint takes).") from e
+            "earlier checkpoints are untouched. Fix: if the disk is full, free space or point checkpoint.dir at a "
+            "disk with room (checkpoint/bytes in metrics.jsonl says how much one takes); if another rank died, "
+            "its log says why.") from e
 
 
 def _write_durably(obj: Any, path: Path) -> None:

@@ -109,6 +109,6 @@ def test_disk_full_during_a_save_fails_clearly_and_keeps_the_previous_checkpoint
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     # torch's zip writer reports the short write in its own words ("unexpected pos ..."), so match ours
-    assert "saving checkpoint step 4" in out and "was not committed" in out and "Fix: free disk space" in out
+    assert "saving checkpoint step 4" in out and "was not committed" in out and "Fix: if the disk is full, free space" in out
     assert snapshot(run / "checkpoints" / "step_2") == before
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2", "step_4.partial"]
