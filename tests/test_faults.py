@@ -49,11 +49,12 @@ def kill_group(proc: subprocess.Popen) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["sharded", "sharded_async", "full"])
-def test_job_killed_during_a_save_reruns_from_the_previous_checkpoint_bitwise(mode, tmp_path, cli_env):
-    """SIGKILL the whole job while step 6 is being saved; the step-3 checkpoint
-    stays complete, `resume=auto` skips the partial one, the rerun of the same
-    command cleans it up and ends bitwise equal to an uninterrupted run."""
+@pytest.mark.parametrize("mode,victim", [("sharded", "job"), ("sharded_async", "rank"), ("full", "rank")])
+def test_kill_during_a_save_then_rerun_resumes_from_the_previous_checkpoint_bitwise(mode, victim, tmp_path, cli_env):
+    """SIGKILL the whole job, or one rank, while step 6 is being saved; the
+    step-3 checkpoint stays complete, `resume=auto` skips the partial one, and
+    the rerun of the same command cleans it up and ends bitwise equal to an
+    uninterrupted run."""
     ckpt = ["checkpoint=sharded", "checkpoint.async=true"] if mode == "sharded_async" else [f"checkpoint={mode}"]
     args = [*MEDIUM, *LOCAL_SGD, *ckpt, "checkpoint.interval=3", "checkpoint.keep=3", "train.steps=9"]
     a, b = tmp_path / "a", tmp_path / "b"
@@ -62,7 +63,12 @@ def test_job_killed_during_a_save_reruns_from_the_previous_checkpoint_bitwise(mo
     proc = start([*args, f"hydra.run.dir={b}"], cli_env)
     partial = b / "checkpoints" / "step_6.partial"
     wait_for(partial.exists, proc)
-    kill_group(proc)
+    if victim == "job":
+        kill_group(proc)
+    else:  # one rank dies; the launcher takes the others down and fails
+        workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        os.kill(int(workers[-1]), signal.SIGKILL)
+        assert proc.wait(timeout=120) != 0
     assert steps_saved(b) == ["step_3", "step_6.partial"]
     before = {p.name: p.stat().st_mtime_ns for p in (b / "checkpoints" / "step_3").iterdir()}
 
