@@ -35,7 +35,10 @@ def start(args: list[str], env: dict, torchrun_nproc: int | None = None) -> subp
 def wait_for(predicate, proc: subprocess.Popen, timeout: float = 180, poll: float = 0.002):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        found = predicate()
+        try:
+            found = predicate()
+        except ValueError:  # a metrics.jsonl line caught halfway through its write
+            found = False
         if found:
             return found
         assert proc.poll() is None, f"exited {proc.returncode} early:\n{proc.stdout.read()[-3000:]}"
