@@ -42,13 +42,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from omegaconf import DictConfig, OmegaConf
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from omegaconf import DictConfig, OmegaConf
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict, set_state_dict)
-from torch.distributed.optim import PostLocalSGDOptimizer
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.optim import PostLocalSGDOptimizer
 from torch.distributed.tensor import DTensor
 
 from harness.averaging import CrossReplica
@@ -450,7 +450,11 @@ def load(path: Path, job, rank: int) -> tuple[dict, dict]:
                         "their mean", path, copies, layout.replicas,
                         "" if layout.local_sgd else " and no averager")
         _load_mean(job, optim, copies, load_copy)
-    rngs = torch.load(path / "rng.pt", weights_only=True)
+    try:
+        rngs = torch.load(path / "rng.pt", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"checkpoint.resume: {str(path / 'rng.pt')!r} is missing or damaged ({_describe(e)}). "
+                              "Fix: resume from an earlier checkpoint, or checkpoint.resume=never.") from e
     if len(rngs) == dist.get_world_size():
         set_rng_state(rngs[rank])
     elif rank == 0:
