@@ -162,7 +162,7 @@ def worker(cfgs: dict[str, dict], rounds: int, work_dir: str) -> dict | None:
         job.optimizer.step()
         job.optimizer.zero_grad(set_to_none=True)
         extra = checkpoint_state(job)
-        checkpointers = {mode: Checkpointer(OmegaConf.create(c).checkpoint, run_dir, OmegaConf.create(c), env.rank)
+        checkpointers = {mode: Checkpointer(OmegaConf.create(c), run_dir, env.rank)
                          for mode, c in cfgs.items()}
 
         # The limit's payload: what full mode writes to full.pt, gathered once onto rank 0 (untimed).

@@ -107,7 +107,7 @@ def worker(cfg_dict: dict, rounds: int, steps_per_round: int, command: str) -> N
         job = build_job(cfg, env)
         sink = MetricsSink(Path(run_dir.name), cfg.wandb, cfg_dict, enabled=False)
         train_cfg, state = cfg.train.copy(), TrainState()
-        checkpointer = Checkpointer(cfg.checkpoint, Path(run_dir.name), cfg, env.rank)  # checkpoint=none by default
+        checkpointer = Checkpointer(cfg, Path(run_dir.name), env.rank)  # checkpoint=none by default
 
         # (b) the minimal path, on the same mesh
         m_model, m_optimizer, m_data = build_minimal(cfg, job.mesh, env.device)

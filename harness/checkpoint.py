@@ -52,6 +52,7 @@ from torch.distributed.optim import PostLocalSGDOptimizer
 from torch.distributed.tensor import DTensor
 
 from harness.averaging import CrossReplica
+from harness.dist import true_on_every_rank
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +174,7 @@ def set_rng_state(state: dict) -> None:
 
 
 def gather_full(state: Any, keep: bool) -> Any:
-    """`state` with every tensor whole and on CPU where `keep`, dropped elsewhere.
+    """`state` with every tensor whole and on CPU where `keep`, None elsewhere.
 
     Gathers one tensor at a time (peak memory: one full tensor). PyTorch's
     `get_state_dict(full_state_dict=True, cpu_offload=True)` keeps the result on
@@ -181,17 +182,12 @@ def gather_full(state: Any, keep: bool) -> Any:
     its own replica's copy.
     """
     if isinstance(state, dict):
-        out = {k: gather_full(v, keep) for k, v in state.items()}
-        return {k: v for k, v in out.items() if v is not _DROPPED}
+        return {k: gather_full(v, keep) for k, v in state.items()}
     if isinstance(state, DTensor):
-        full = state.full_tensor()
-        return full.cpu() if keep else _DROPPED
+        state = state.full_tensor()  # collective: every rank gathers, in the same order
     if torch.is_tensor(state):
-        return state.detach().cpu().clone() if keep else _DROPPED
+        return state.detach().cpu() if keep else None
     return state
-
-
-_DROPPED = object()
 
 
 def _describe(e: BaseException) -> str:
@@ -251,10 +247,10 @@ class Checkpointer:
     `meta.json`, renames and deletes.
     """
 
-    def __init__(self, cfg: DictConfig, run_dir: Path, config: DictConfig, rank: int):
-        self.cfg, self.config, self.rank = cfg, config, rank
-        self.root = checkpoint_dir(cfg, run_dir)
-        self.async_save = bool(cfg["async"])
+    def __init__(self, config: DictConfig, run_dir: Path, rank: int):
+        self.cfg, self.config, self.rank = config.checkpoint, config, rank
+        self.root = checkpoint_dir(self.cfg, run_dir)
+        self.async_save = bool(self.cfg["async"])
         # Async saves need their own (gloo) group: on the default group the
         # background thread's collectives crash against the loop's (verified on
         # torch 2.13), and on CUDA the default group is nccl, which DCP's async
@@ -292,11 +288,12 @@ class Checkpointer:
             self._remove_leftovers()
             partial.mkdir(parents=True)
         dist.barrier()
-        if not _finite_on_every_rank(job.model, inner_optimizer(job.optimizer)):
+        optim = inner_optimizer(job.optimizer)
+        if not true_on_every_rank(torch.stack([torch.isfinite(t).all() for t in _local_tensors(job.model, optim)]).all()):
             raise CheckpointError(f"refusing to save step {step}: parameters or optimizer state hold NaN/inf, and a "
                                   "checkpoint must never hold them. Fix: lower optimizer.lr or keep train.grad_clip > 0, "
                                   "and resume from the last checkpoint.")
-        model_sd, optim_sd = get_state_dict(job.model, inner_optimizer(job.optimizer))
+        model_sd, optim_sd = get_state_dict(job.model, optim)
         rngs = [None] * dist.get_world_size() if self.rank == 0 else None
         dist.gather_object(rng_state(), rngs, dst=0)
         meta = {"step": step, "mode": self.cfg.mode, **extra, "world_size": dist.get_world_size(),
@@ -473,13 +470,6 @@ def _local_tensors(model: torch.nn.Module, optim: torch.optim.Optimizer) -> list
         tensors += [local(v) for v in optim.state.get(p, {}).values()
                     if torch.is_tensor(v) and v.is_floating_point() and v.dim() > 0]
     return tensors
-
-
-def _finite_on_every_rank(model: torch.nn.Module, optim: torch.optim.Optimizer) -> bool:
-    tensors = _local_tensors(model, optim)
-    finite = torch.tensor([int(all(bool(torch.isfinite(t).all()) for t in tensors))], device=tensors[0].device)
-    dist.all_reduce(finite, op=dist.ReduceOp.MIN)
-    return bool(finite.item())
 
 
 def _load_mean(job, optim, copies: int, load_copy) -> None:

@@ -88,6 +88,14 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
+def true_on_every_rank(flag: torch.Tensor) -> bool:
+    """Whether a local boolean holds on every rank (one 1-element all-reduce), so
+    all ranks take the same branch and no rank waits alone in a collective."""
+    agreed = flag.to(torch.int32).reshape(1)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    return bool(agreed.item())
+
+
 def mean_over_ranks(value: torch.Tensor) -> float:
     """The mean of a scalar over all ranks (gloo has no AVG, so SUM / world)."""
     total = value.detach().float().clone()

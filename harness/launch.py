@@ -34,7 +34,7 @@ def prepare_torchrun_rank(argv: list[str]) -> None:
     group of ranks per job instead.
     """
     if under_torchrun():
-        if any(arg in ("-m", "--multirun") for arg in argv[1:]):
+        if is_multirun(argv):
             if os.environ["RANK"] == "0":
                 print("harness: `torchrun ... train.py -m` would run the whole sweep on every rank, and one failed "
                       "job would silently pair later collectives with the wrong job. Fix: run sweeps without "
@@ -44,11 +44,15 @@ def prepare_torchrun_rank(argv: list[str]) -> None:
         agree_on_run_stamp()
 
 
+def is_multirun(argv: list[str]) -> bool:
+    return any(arg in ("-m", "--multirun") for arg in argv[1:])
+
+
 def refuse_unwritable_run_dir(argv: list[str]) -> None:
     """Hydra creates the run dir before any harness code runs and fails with a
     traceback when it cannot; say it in one line instead."""
     given = [a.split("=", 1)[1] for a in argv[1:] if a.startswith("hydra.run.dir=")]
-    if "-m" in argv or "--multirun" in argv or (given and "${" in given[-1]):
+    if is_multirun(argv) or (given and "${" in given[-1]):
         return
     path = Path(given[-1] if given else "outputs").expanduser().absolute()
     existing = next(p for p in (path, *path.parents) if p.exists())

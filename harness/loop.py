@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from harness.averaging import CrossReplica, setup_cross_replica
 from harness.checkpoint import Checkpointer, load, resume_path
 from harness.data import TokenStream, build_data
-from harness.dist import DistEnv, init_distributed, mean_over_ranks, teardown
+from harness.dist import DistEnv, init_distributed, mean_over_ranks, teardown, true_on_every_rank
 from harness.mesh import build_mesh
 from harness.metrics import MetricsSink, memory_metrics
 from harness.models import build_model
@@ -65,7 +65,7 @@ def run(cfg: DictConfig, run_dir: Path) -> None:
     sink = None
     try:
         job = build_job(cfg, env)
-        checkpointer = Checkpointer(cfg.checkpoint, run_dir, cfg, env.rank)
+        checkpointer = Checkpointer(cfg, run_dir, env.rank)
         sink = MetricsSink(run_dir, cfg.wandb, OmegaConf.to_container(cfg, resolve=True), enabled=env.is_main)
         log.info("world %d, mesh %s, %s parameters, device %s", env.world_size,
                  dict(zip(job.mesh.mesh_dim_names, job.mesh.shape)),
@@ -154,14 +154,12 @@ class NonFiniteLossError(RuntimeError):
 
 
 def finite_on_every_rank(loss: torch.Tensor, grad_norm: torch.Tensor | None) -> bool:
-    """One 1-element all-reduce, so every rank takes the same decision (replicas
-    training on their own can disagree, and a rank skipping alone would hang the rest)."""
+    """Agreed by all ranks: replicas training on their own can disagree, and a
+    rank skipping alone would hang the rest."""
     finite = torch.isfinite(loss.detach()).all()
     if grad_norm is not None:
         finite &= torch.isfinite(_local(grad_norm)).all()
-    flag = finite.to(torch.int32).reshape(1)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+    return true_on_every_rank(finite)
 
 
 def skip_nonfinite_step(policy: str, step: int) -> None:
