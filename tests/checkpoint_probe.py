@@ -5,6 +5,7 @@ Usage: torchrun --nproc-per-node N tests/checkpoint_probe.py CKPT OUT.pt [hydra 
 Writes OUT.pt (rank 0): {"model": FQN -> full tensor, "step": int, "samples": int}.
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -38,3 +39,10 @@ def main(ckpt: str, out: str, overrides: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], sys.argv[3:])
+    # Leave without interpreter finalization: process groups still referenced by
+    # torch's DeviceMesh cache are destroyed there, and a gloo worker thread then
+    # aborts the process now and then ("terminate called without an active
+    # exception", SIGABRT; pytorch/pytorch#179291). The output is written by now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
