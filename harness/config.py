@@ -159,8 +159,9 @@ class HierarchicalAveragerConf:
 class ShardingConf:
     strategy: str = "full_shard"
     # Replica count of the (replicate, shard) mesh. Only hybrid strategies take a
-    # value; null means "what the strategy implies" (1 for full/grad-op sharding,
-    # world size for no_shard and ddp).
+    # value (null: one replica per node, 2 on a single node); for the others null
+    # means "what the strategy implies" (1 for full/grad-op sharding, world size
+    # for no_shard and ddp).
     replicate: Optional[int] = None
     param_dtype: str = "auto"  # auto = bfloat16 on cuda, float32 on cpu
     reduce_dtype: str = "float32"  # auto = float32 too
@@ -244,7 +245,8 @@ CHECKPOINT_MODES = ("none", "full", "sharded")
 EXTRA_KEYS = {CheckpointConf: {"async"}}  # schema keys no dataclass field can carry (see checkpoint_schema)
 
 
-def validate(cfg: DictConfig, world_size: int, cuda_available: bool, run_dir: Path | None = None) -> None:
+def validate(cfg: DictConfig, world_size: int, cuda_available: bool, run_dir: Path | None = None,
+             local_world_size: int | None = None) -> None:
     """Check every cross-field rule before any process group exists.
 
     Raises ConfigError with one paragraph per broken rule, each naming the key,
@@ -255,7 +257,7 @@ def validate(cfg: DictConfig, world_size: int, cuda_available: bool, run_dir: Pa
     errors += _check_train(cfg, world_size, cuda_available)
     errors += _check_model_and_data(cfg)
     errors += _check_optimizer(cfg.optimizer)
-    errors += _check_sharding_and_averager(cfg, world_size)
+    errors += _check_sharding_and_averager(cfg, world_size, local_world_size)
     errors += _check_checkpoint_and_wandb(cfg)
     if run_dir is not None and not errors:
         errors += _check_resume(cfg, run_dir)
@@ -409,7 +411,7 @@ def _check_optimizer(opt: DictConfig) -> list[str]:
     return errors
 
 
-def _check_sharding_and_averager(cfg: DictConfig, world_size: int) -> list[str]:
+def _check_sharding_and_averager(cfg: DictConfig, world_size: int, local_world_size: int | None) -> list[str]:
     shard, avg = cfg.sharding, cfg.averager
     errors = []
     if shard.strategy not in STRATEGIES:
@@ -422,7 +424,7 @@ def _check_sharding_and_averager(cfg: DictConfig, world_size: int) -> list[str]:
         errors.append(f"sharding.param_dtype={shard.param_dtype} is FSDP2's mixed-precision policy; sharding=ddp "
                       "trains in float32. Fix: sharding.param_dtype=auto, or sharding=no_shard for low-precision replicas.")
     try:
-        replicate, _ = mesh_shape(shard.strategy, shard.replicate, world_size)
+        replicate, _ = mesh_shape(shard.strategy, shard.replicate, world_size, local_world_size)
     except ValueError as e:
         return errors + [str(e)]
     if avg.name != "none":

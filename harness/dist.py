@@ -88,6 +88,13 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
+def node_of_each_rank() -> list[int]:
+    """Every rank's node, in rank order: torchrun's GROUP_RANK (one agent per node; 0 when launched locally)."""
+    nodes: list = [None] * dist.get_world_size()
+    dist.all_gather_object(nodes, int(os.environ.get("GROUP_RANK", 0)))
+    return nodes
+
+
 def true_on_every_rank(flag: torch.Tensor) -> bool:
     """Whether a local boolean holds on every rank (one 1-element all-reduce), so
     all ranks take the same branch and no rank waits alone in a collective."""

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -20,6 +21,8 @@ from harness.checkpoint import CheckpointError
 from harness.config import ConfigError, config_warnings, validate
 from harness.dist import agree_on_run_stamp, under_torchrun
 from harness.loop import NonFiniteLossError, run
+from harness.mesh import HYBRID, mesh_shape
+from harness.sweep import name_wandb_run, write_result
 
 log = logging.getLogger("harness")
 LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
@@ -62,28 +65,59 @@ def refuse_unwritable_run_dir(argv: list[str]) -> None:
         sys.exit(2)
 
 
-def main(cfg: DictConfig) -> None:
-    """The body of `train.py`'s Hydra entry point."""
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+def main(cfg: DictConfig) -> dict | None:
+    """The body of `train.py`'s Hydra entry point. A run that fails exits
+    non-zero; a sweep job returns its result instead, so the sweep goes on."""
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        return sweep_job(cfg, hydra_cfg, run_dir)
     torchrun = under_torchrun()
     rank = int(os.environ["RANK"]) if torchrun else 0
     world_size = int(os.environ["WORLD_SIZE"]) if torchrun else cfg.launcher.nproc
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if torchrun else world_size
+    if prepare(cfg, world_size, local_world_size, run_dir, rank) is not None:
+        _remove_if_empty(run_dir)
+        sys.exit(2)
+    if torchrun or world_size == 1:
+        run_rank(cfg, run_dir)
+    elif launch_local(cfg, run_dir, world_size) is not None:
+        sys.exit(1)
+
+
+def sweep_job(cfg: DictConfig, hydra_cfg: DictConfig, run_dir: Path) -> dict:
+    """One job of `python train.py -m ...`: its own `launcher.nproc` ranks and
+    process group, and a failure that stays its own (recorded in `result.json`)."""
+    name_wandb_run(cfg, hydra_cfg)
+    nproc = cfg.launcher.nproc
+    if (error := prepare(cfg, nproc, nproc, run_dir, rank=0)) is not None:
+        return write_result(run_dir, hydra_cfg, 2, error.splitlines()[0])
     try:
-        validate(cfg, world_size, torch.cuda.is_available(), run_dir)
+        failure = launch_local(cfg, run_dir, nproc)
+    except Exception as e:  # the launcher itself failed (rendezvous, fork): still this job's failure alone
+        log.exception("job %d could not start its ranks", hydra_cfg.job.num)
+        failure = f"{type(e).__name__}: {e}"
+    return write_result(run_dir, hydra_cfg, 0 if failure is None else 1, failure or "")
+
+
+def prepare(cfg: DictConfig, world_size: int, local_world_size: int, run_dir: Path, rank: int) -> str | None:
+    """Validate, fill in the replica count, and set up logging and `.hydra/`;
+    the validation errors (already printed) when the config cannot run."""
+    try:
+        validate(cfg, world_size, torch.cuda.is_available(), run_dir, local_world_size)
     except ConfigError as e:
         if rank == 0:
             print(f"harness: the config cannot run (world size {world_size}):\n\n{e}", file=sys.stderr)
-        _remove_if_empty(run_dir)
-        sys.exit(2)
+        return str(e)
+    if cfg.sharding.strategy in HYBRID and cfg.sharding.replicate is None:
+        # the config records the replica count it ran with (one replica per node)
+        cfg.sharding.replicate = mesh_shape(cfg.sharding.strategy, None, world_size, local_world_size)[0]
     setup_logging(run_dir, rank)
     if rank == 0:
         save_hydra_config(cfg, run_dir)
         for warning in config_warnings(cfg):
             log.warning("%s", warning)
-    if torchrun or world_size == 1:
-        run_rank(cfg, run_dir)
-    else:
-        launch_local(cfg, run_dir, world_size)
+    return None
 
 
 def _remove_if_empty(run_dir: Path) -> None:
@@ -104,8 +138,9 @@ def save_hydra_config(cfg: DictConfig, run_dir: Path) -> None:
     OmegaConf.save(hydra_cfg.overrides.task, out / "overrides.yaml")
 
 
-def launch_local(cfg: DictConfig, run_dir: Path, nproc: int) -> None:
-    """Start `nproc` local ranks (fork, c10d rendezvous on a free port) and wait for them."""
+def launch_local(cfg: DictConfig, run_dir: Path, nproc: int) -> str | None:
+    """Start `nproc` local ranks (fork, c10d rendezvous on a free port) and wait
+    for them; what failed, in one line, or None."""
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"harness-{uuid.uuid4().hex[:8]}",
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
                           start_method="fork", monitor_interval=0.1)
@@ -113,9 +148,23 @@ def launch_local(cfg: DictConfig, run_dir: Path, nproc: int) -> None:
     try:
         elastic_launch(config, worker)(OmegaConf.to_container(cfg, resolve=True), str(run_dir))
     except ChildFailedError as e:
-        failed = ", ".join(f"rank {r} (exit {f.exitcode})" for r, f in sorted(e.failures.items()))
+        failed = ", ".join(f"rank {r} ({f.signal_name() if f.exitcode < 0 else f'exit {f.exitcode}'})"
+                           for r, f in sorted(e.failures.items()))
         log.error("training failed: %s; see the traceback above and %s/logs/", failed, run_dir)
-        sys.exit(1)
+        return failed + (f": {error}" if (error := last_logged_error(run_dir)) else "")
+    return None
+
+
+def last_logged_error(run_dir: Path) -> str:
+    """The most recent ERROR line any rank logged in `run_dir`: why a job failed, for its summary."""
+    latest = (0.0, "")
+    for path in [run_dir / "train.log", *sorted((run_dir / "logs").glob("rank*.log"))]:
+        if path.exists():
+            errors = [line.split("[ERROR] - ", 1)[1] for line in path.read_text(errors="replace").splitlines()
+                      if "[ERROR] - " in line and "training failed:" not in line]
+            if errors:
+                latest = max(latest, (path.stat().st_mtime, errors[-1][:300]))
+    return latest[1]
 
 
 def worker(cfg: dict, run_dir: str) -> None:
@@ -144,8 +193,9 @@ def run_rank(cfg: DictConfig, run_dir: Path) -> None:
 def setup_logging(run_dir: Path, rank: int) -> None:
     """Rank 0 logs to stdout and `train.log`; other ranks to `logs/rank<N>.log` (warnings also to stderr)."""
     root = logging.getLogger()
-    for handler in list(root.handlers):
+    for handler in list(root.handlers):  # a sweep sets up logging once per job
         root.removeHandler(handler)
+        handler.close()
     root.setLevel(logging.INFO)
     if rank == 0:
         handlers = [logging.StreamHandler(sys.stdout), logging.FileHandler(run_dir / "train.log")]

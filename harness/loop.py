@@ -18,8 +18,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from harness.averaging import CrossReplica, setup_cross_replica
 from harness.checkpoint import Checkpointer, load, resume_path
 from harness.data import TokenStream, build_data
-from harness.dist import DistEnv, init_distributed, mean_over_ranks, teardown, true_on_every_rank
-from harness.mesh import build_mesh
+from harness.dist import (DistEnv, init_distributed, mean_over_ranks, node_of_each_rank, teardown,
+                          true_on_every_rank)
+from harness.mesh import build_mesh, describe_replicas
 from harness.metrics import MetricsSink, memory_metrics
 from harness.models import build_model
 from harness.optim import build_optimizer
@@ -70,6 +71,7 @@ def run(cfg: DictConfig, run_dir: Path) -> None:
         log.info("world %d, mesh %s, %s parameters, device %s", env.world_size,
                  dict(zip(job.mesh.mesh_dim_names, job.mesh.shape)),
                  f"{sum(p.numel() for p in job.model.parameters()):,}", env.device)
+        log.info("replicas: %s", describe_replicas(job.mesh, node_of_each_rank()))
         state = TrainState()
         path = resume_path(cfg.checkpoint, run_dir)
         if path is not None:

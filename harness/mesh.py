@@ -10,15 +10,37 @@ HYBRID = ("hybrid_shard", "hybrid_shard_zero2")
 _FIXED_REPLICATE = {"full_shard": "one", "shard_grad_op": "one", "no_shard": "world", "ddp": "world"}
 
 
-def mesh_shape(strategy: str, replicate: int | None, world_size: int) -> tuple[int, int]:
-    """(replicate, shard) sizes for a strategy; ValueError names key, value and fix."""
+def default_replicas(world_size: int, local_world_size: int) -> int:
+    """`sharding.replicate` for a hybrid strategy left at null: one replica per
+    node (shard inside a node over its fast links, average across nodes over
+    the slow ones - FSDP1 HYBRID_SHARD's layout). A single node has nothing to
+    go by, so it gets 2 replicas: the smallest layout with something to average."""
+    nodes = world_size // local_world_size
+    return nodes if nodes > 1 else 2
+
+
+def describe_replicas(mesh: DeviceMesh, node_of_rank: list[int]) -> str:
+    """Which ranks, on which nodes, make up each replica: `replica 0 = ranks [0, 1] on node 0; ...`."""
+    parts = []
+    for replica, ranks in enumerate(mesh.mesh.tolist()):
+        nodes = sorted({node_of_rank[r] for r in ranks})
+        parts.append(f"replica {replica} = ranks {ranks} on node{'s' if len(nodes) > 1 else ''} "
+                     f"{', '.join(map(str, nodes))}")
+    return "; ".join(parts)
+
+
+def mesh_shape(strategy: str, replicate: int | None, world_size: int,
+               local_world_size: int | None = None) -> tuple[int, int]:
+    """(replicate, shard) sizes for a strategy; ValueError names key, value and fix.
+    `local_world_size` (ranks per node) places hybrid replicas left at null."""
     if strategy in HYBRID:
+        given = replicate
         if replicate is None:
-            raise ValueError(f"sharding={strategy} needs sharding.replicate (how many replicas of the model). "
-                             f"Fix: e.g. sharding.replicate=2 (must divide the world size, {world_size}).")
+            replicate = default_replicas(world_size, local_world_size or world_size)
         if replicate < 1 or world_size % replicate:
             divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-            raise ValueError(f"sharding.replicate={replicate} does not divide the world size {world_size}, so the "
+            value = given if given is not None else f"null (one replica per node, 2 on one node: {replicate})"
+            raise ValueError(f"sharding.replicate={value} does not divide the world size {world_size}, so the "
                              f"(replicate, shard) mesh cannot be built. Fix: sharding.replicate=one of {divisors}, "
                              f"or change the number of ranks.")
         return replicate, world_size // replicate

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +24,9 @@ log = logging.getLogger(__name__)
 class MetricsSink:
     def __init__(self, run_dir: Path, wandb_cfg: Any, config: dict, enabled: bool):
         self.rows = open(run_dir / "metrics.jsonl", "a", encoding="utf-8") if enabled else None
+        overrides = run_dir / ".hydra" / "overrides.yaml"
+        if enabled and overrides.exists():  # the command line's overrides, to filter runs by in W&B's table
+            config = {**config, "overrides": OmegaConf.to_container(OmegaConf.load(overrides))}
         self.wandb_run = _start_wandb(run_dir, wandb_cfg, config) if enabled else None
 
     def log(self, row: dict[str, float], step: int) -> None:

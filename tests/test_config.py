@@ -8,6 +8,7 @@ from omegaconf import OmegaConf
 
 from conftest import REPO
 from harness.config import ConfigError, register_configs, validate
+from harness.mesh import mesh_shape
 
 register_configs()
 CONF = REPO / "conf"
@@ -91,7 +92,7 @@ RULES = [
     (["optimizer._target_=torch.optim.Nope"], 2, False, ["optimizer._target_='torch.optim.Nope'", "cannot be imported"]),
     (["optimizer._target_=torch.nn.Linear"], 2, False, ["torch.nn.Linear", "not a torch.optim.Optimizer"]),
     (["sharding=hybrid_shard", "sharding.replicate=3"], 4, False, ["sharding.replicate=3", "world size 4", "[1, 2, 4]"]),
-    (["sharding=hybrid_shard", "sharding.replicate=null"], 4, False, ["sharding=hybrid_shard needs sharding.replicate"]),
+    (["sharding=hybrid_shard", "averager=none"], 1, False, ["sharding.replicate=null (one replica per node", "world size 1"]),
     (["sharding=full_shard", "sharding.replicate=2"], 4, False, ["sharding.replicate=2 conflicts with sharding=full_shard"]),
     (["sharding=ddp", "sharding.param_dtype=bfloat16"], 2, False, ["sharding.param_dtype=bfloat16", "sharding=no_shard"]),
     (["sharding.reduce_dtype=float8"], 2, False, ["sharding.reduce_dtype='float8'"]),
@@ -231,3 +232,12 @@ def test_warmup_past_the_last_step_warns_but_runs():
     [warning] = config_warnings(cfg)
     assert "averager.warmup_steps=10 >= train.steps=8" in warning and "averager=none" in warning
     assert config_warnings(make()) == [] and config_warnings(make("averager=none", "train.steps=8")) == []
+
+
+@pytest.mark.parametrize("world,local,replicas", [(2, 2, 2), (4, 4, 2), (4, 2, 2), (8, 2, 4), (16, 8, 2)])
+def test_hybrid_replicas_default_to_one_per_node(world, local, replicas):
+    """sharding.replicate=null: one replica per node (shard within, average across nodes); 2 on one node."""
+    cfg = make("sharding=hybrid_shard")
+    assert cfg.sharding.replicate is None
+    validate(cfg, world_size=world, cuda_available=False, local_world_size=local)
+    assert mesh_shape("hybrid_shard", None, world, local) == (replicas, world // replicas)
