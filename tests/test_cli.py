@@ -105,12 +105,3 @@ def test_text_data_on_two_ranks_builds_the_cache_once(tmp_path, cli_env):
     assert len(list((tmp_path / "cache").iterdir())) == 1
     rows = read_metrics(tmp_path / "run")
     assert rows[-1]["train/loss"] < rows[0]["train/loss"]
-
-
-def test_python_train_py_multirun_starts_ranks_per_job(tmp_path, cli_env):
-    proc = run_cli(["-m", *FAST, "train.steps=3", "averager.period=2,4", "hydra.sweep.dir=sweep"], cli_env, tmp_path)
-    check_ok(proc)
-    assert proc.stdout.count("starting 2 local ranks") == 2
-    for job in ("0", "1"):
-        assert len(read_metrics(tmp_path / "sweep" / job)) == 3
-        assert (tmp_path / "sweep" / job / "logs" / "rank1.log").exists()

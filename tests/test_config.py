@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
@@ -241,3 +243,26 @@ def test_hybrid_replicas_default_to_one_per_node(world, local, replicas):
     assert cfg.sharding.replicate is None
     validate(cfg, world_size=world, cuda_available=False, local_world_size=local)
     assert mesh_shape("hybrid_shard", None, world, local) == (replicas, world // replicas)
+
+
+def make_with_hydra(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        return compose("config", overrides=list(overrides), return_hydra_config=True)
+
+
+@pytest.mark.parametrize("preset", options("experiment"))
+def test_experiment_presets_define_their_own_sweep_and_run(preset):
+    cfg = make_with_hydra(f"experiment={preset}")
+    assert cfg.hydra.sweeper.params, f"experiment={preset} sweeps nothing"
+    assert preset in cfg.hydra.sweep.dir  # the sweep dir (and so the W&B group) names the experiment
+    keys = list(cfg.hydra.sweeper.params)
+    for values in itertools.product(*(str(v).split(",") for v in cfg.hydra.sweeper.params.values())):
+        job = make(f"experiment={preset}", *(f"{k}={v}" for k, v in zip(keys, values)))
+        validate(job, world_size=2, cuda_available=False)
+
+
+def test_slurm_launcher_composes_one_task_per_job_with_a_gpu_per_rank():
+    cfg = make_with_hydra("hydra/launcher=slurm", "launcher.nproc=8")
+    launcher = cfg.hydra.launcher
+    assert launcher._target_ == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
+    assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (1, 1, 8)

@@ -1,0 +1,283 @@
+"""Plots and tables from `metrics.jsonl` (the rows W&B gets), so they work
+offline and after the fact.
+
+    python -m harness.report <run dir>    ->  <run dir>/report/run.png, summary.md, summary.csv
+    python -m harness.report <sweep dir>  ->  <sweep dir>/report/jobs.md, jobs.csv, loss.png, tradeoff.png
+
+A sweep report has one line per job dir, failed jobs included (their
+`result.json` says why), sorted by final loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; never a window
+import matplotlib.pyplot as plt  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from harness.sweep import RESULT_FILE  # noqa: E402
+
+# checkpoint metric -> bar label
+TIMINGS = {"checkpoint/state_dict_s": "state dict", "checkpoint/save_s": "save (training blocked)",
+           "checkpoint/write_s": "write (until durable)", "checkpoint/staging_wait_s": "async staging wait",
+           "checkpoint/load_s": "load (resume)", "checkpoint/set_state_dict_s": "set state dict (resume)"}
+
+
+@dataclass
+class Run:
+    path: Path
+    name: str
+    rows: list[dict]
+    config: dict  # the resolved config from .hydra/config.yaml ({} when missing)
+    result: dict | None  # a sweep job's result.json
+
+    def series(self, key: str) -> tuple[list[int], list[float]]:
+        points = [(row["step"], row[key]) for row in self.rows if row.get(key) is not None]
+        return [s for s, _ in points], [v for _, v in points]
+
+    def last(self, key: str) -> float | None:
+        values = self.series(key)[1]
+        return values[-1] if values else None
+
+
+def read_run(path: Path) -> Run:
+    metrics = path / "metrics.jsonl"
+    rows = []
+    if metrics.exists():
+        for line in metrics.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:  # a line cut short by a killed job
+                continue
+    config_file = path / ".hydra" / "config.yaml"
+    config = OmegaConf.to_container(OmegaConf.load(config_file)) if config_file.exists() else {}
+    result_file = path / RESULT_FILE
+    result = json.loads(result_file.read_text()) if result_file.exists() else None
+    if result:
+        name = result.get("name") or ",".join(result["overrides"])
+    else:
+        name = (config.get("wandb") or {}).get("name") or path.name
+    return Run(path, name, rows, config, result)
+
+
+def status(run: Run) -> str:
+    if run.result is not None:
+        return run.result["status"]
+    target = (run.config.get("train") or {}).get("steps")
+    return "completed" if run.rows and run.rows[-1]["step"] == target else "incomplete"
+
+
+def summarize(run: Run) -> dict:
+    """One table line: what a comparison of runs looks at."""
+    tokens = run.series("train/tokens_per_s")[1][1:]  # step 1's time includes start-up
+    saves, loads = run.series("checkpoint/save_s")[1], run.series("checkpoint/load_s")[1]
+    drift = run.series("averager/drift")[1]
+    total_bytes = run.last("comm/cross_replica_bytes_total")
+    return {
+        "job": run.result["job"] if run.result else "",
+        "name": run.name,
+        "status": status(run),
+        "steps": run.rows[-1]["step"] if run.rows else 0,
+        "final loss": _round(run.last("train/loss"), 4),
+        "tokens/s (median)": _round(statistics.median(tokens), 0) if tokens else None,
+        "cross-replica MB per rank": _round(total_bytes / 1e6, 3) if total_bytes is not None else None,
+        "averaging steps": sum(1 for row in run.rows if row.get("averager/averaged")),
+        "mean drift": _round(statistics.fmean(drift), 6) if drift else None,
+        "checkpoint saves": len(saves),
+        "checkpoint save s (total blocked)": _round(sum(saves), 3) if saves else None,
+        "checkpoint load s": _round(sum(loads), 3) if loads else None,
+        "failure": run.result["reason"][:160] if run.result and run.result["status"] != "completed" else "",
+    }
+
+
+def _round(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits) if digits else int(round(value))
+
+
+def write_tables(lines: list[dict], out: Path, stem: str) -> None:
+    with open(out / f"{stem}.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(lines[0]))
+        writer.writeheader()
+        writer.writerows(lines)
+    (out / f"{stem}.md").write_text(markdown_table(lines))
+
+
+def markdown_table(lines: list[dict]) -> str:
+    def cell(value) -> str:
+        return "–" if value is None or value == "" else str(value).replace("|", "\\|")
+
+    header = list(lines[0])
+    rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    rows += ["| " + " | ".join(cell(line[key]) for key in header) + " |" for line in lines]
+    return "\n".join(rows) + "\n"
+
+
+def plot_run(run: Run, path: Path) -> None:
+    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5))
+    (ax_loss, ax_drift), (ax_speed, ax_ckpt) = axes
+    fig.suptitle(f"{run.name}: {describe(run.config)}" if run.config else run.name, fontsize=11)
+
+    steps, loss = run.series("train/loss")
+    ax_loss.plot(steps, loss, marker=".", label="train/loss (mean over ranks)")
+    averaged = [row["step"] for row in run.rows if row.get("averager/averaged")]
+    for i, step in enumerate(averaged):
+        ax_loss.axvline(step, color="tab:orange", alpha=0.35, lw=0.8, label="averaging step" if i == 0 else None)
+    warmup = (run.config.get("averager") or {}).get("warmup_steps")
+    if averaged and warmup:
+        ax_loss.axvspan(0, warmup, color="grey", alpha=0.12, label=f"synchronous warmup ({warmup} steps)")
+    _labels(ax_loss, "Training loss, averaging steps marked", "step", "loss (cross-entropy, nats)")
+
+    steps, drift = run.series("averager/drift")
+    if drift:
+        ax_drift.plot(steps, drift, marker="o", ms=3, color="tab:orange", label="averager/drift")
+        _labels(ax_drift, "Replica drift just before each averaging step", "step",
+                "relative RMS distance from the mean")
+    else:
+        _empty(ax_drift, "Replica drift", "no averaging steps in this run")
+
+    steps, speed = run.series("train/tokens_per_s")
+    ax_speed.plot(steps, speed, marker=".", color="tab:green", label="train/tokens_per_s (all ranks)")
+    ax_speed.set_ylim(bottom=0)
+    _labels(ax_speed, "Throughput", "step", "tokens / s")
+
+    _checkpoint_bars(run, ax_ckpt)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def describe(config: dict) -> str:
+    """The knobs a reader compares runs by, in one line."""
+    model, optim, avg, shard = (config.get(k) or {} for k in ("model", "optimizer", "averager", "sharding"))
+    averager = avg.get("name", "?")
+    if averager == "periodic":
+        averager += f" every {avg.get('period')} steps after {avg.get('warmup_steps')}"
+    optimizer = str(optim.get("_target_", "?")).rsplit(".", 1)[-1]
+    return (f"{model.get('name', '?')} model, {optimizer} lr {optim.get('lr', '?')}, averager {averager}, "
+            f"{shard.get('strategy', '?')} ({shard.get('replicate') or 'implied'} replicas), "
+            f"{(config.get('launcher') or {}).get('nproc', '?')} local ranks")
+
+
+def _checkpoint_bars(run: Run, ax) -> None:
+    events = [(row["step"], key, row[key]) for row in run.rows for key in TIMINGS if row.get(key) is not None]
+    if not events:
+        _empty(ax, "Checkpoint timings", "no checkpoint saved or loaded (checkpoint=none)")
+        return
+    steps = sorted({step for step, _, _ in events})
+    keys = [key for key in TIMINGS if any(k == key for _, k, _ in events)]
+    width = 0.8 / len(keys)
+    for i, key in enumerate(keys):
+        values = {step: value for step, k, value in events if k == key}
+        xs = [j + i * width for j, step in enumerate(steps) if step in values]
+        ax.bar(xs, [values[step] for step in steps if step in values], width, label=TIMINGS[key])
+    ax.set_xticks([j + width * (len(keys) - 1) / 2 for j in range(len(steps))], [str(s) for s in steps])
+    _labels(ax, "Checkpoint timings, per save and per load", "step", "seconds")
+
+
+def _labels(ax, title: str, xlabel: str, ylabel: str) -> None:
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def _empty(ax, title: str, text: str) -> None:
+    ax.set_title(title, fontsize=10)
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="grey")
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def plot_sweep_loss(runs: list[Run], path: Path, title: str) -> None:
+    fig, ax = plt.subplots(figsize=(10, 6))
+    for run in runs:
+        steps, loss = run.series("train/loss")
+        failed = status(run) != "completed"
+        ax.plot(steps, loss, marker=".", ls="--" if failed else "-",
+                label=f"{run.name}" + (" (failed)" if failed else ""))
+    _labels(ax, f"Training loss per job: {title}", "step", "loss (cross-entropy, nats)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_tradeoff(lines: list[dict], path: Path, title: str) -> None:
+    """Final loss against cross-replica traffic: local SGD's trade-off in one picture."""
+    fig, ax = plt.subplots(figsize=(9, 6))
+    points = [line for line in lines if line["final loss"] is not None and line["cross-replica MB per rank"] is not None]
+    for line in points:
+        ax.scatter(line["cross-replica MB per rank"], line["final loss"], s=40,
+                   marker="o" if line["status"] == "completed" else "x")
+        ax.annotate(line["name"], (line["cross-replica MB per rank"], line["final loss"]), fontsize=8,
+                    xytext=(5, 4), textcoords="offset points")
+    if not points:
+        _empty(ax, title, "no job logged both a loss and cross-replica traffic")
+    else:
+        ax.set_title(f"Final loss vs communication (lower left is better): {title}", fontsize=10)
+        ax.set_xlabel("cross-replica traffic per rank over the run (MB of gradients + parameters all-reduced)")
+        ax.set_ylabel("final training loss (nats)")
+        ax.set_xlim(left=0)
+        ax.margins(x=0.25, y=0.1)  # room for the labels
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def job_dirs(sweep_dir: Path) -> list[Path]:
+    """A sweep's job dirs: Hydra's numbered subdirs that hold metrics or a result."""
+    dirs = [p for p in sweep_dir.iterdir() if p.is_dir() and ((p / "metrics.jsonl").exists() or (p / RESULT_FILE).exists())]
+    return sorted(dirs, key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name))
+
+
+def report_run(run_dir: Path, out: Path) -> list[Path]:
+    run = read_run(run_dir)
+    plot_run(run, out / "run.png")
+    line = summarize(run)
+    write_tables([line], out, "summary")
+    print(markdown_table([line]), end="")
+    return [out / "run.png", out / "summary.md", out / "summary.csv"]
+
+
+def report_sweep(sweep_dir: Path, out: Path) -> list[Path]:
+    runs = [read_run(path) for path in job_dirs(sweep_dir)]
+    lines = [summarize(run) for run in runs]
+    lines.sort(key=lambda line: (line["final loss"] is None, line["final loss"] or 0.0, str(line["job"])))
+    write_tables(lines, out, "jobs")
+    plot_sweep_loss(runs, out / "loss.png", sweep_dir.name)
+    plot_tradeoff(lines, out / "tradeoff.png", sweep_dir.name)
+    print(markdown_table(lines), end="")
+    return [out / "jobs.md", out / "jobs.csv", out / "loss.png", out / "tradeoff.png"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m harness.report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("dir", type=Path, help="a run dir (holds metrics.jsonl) or a sweep dir (holds job dirs)")
+    parser.add_argument("--out", type=Path, help="where to write (default: <dir>/report)")
+    args = parser.parse_args(argv)
+    path = args.dir
+    is_run = (path / "metrics.jsonl").exists()
+    if not path.is_dir() or not (is_run or job_dirs(path)):
+        print(f"harness.report: {str(path)!r} is neither a run dir (with metrics.jsonl) nor a sweep dir (with job "
+              "dirs holding metrics.jsonl or result.json). Fix: pass outputs/<date>/<time> for a run or "
+              "outputs/multirun/<stamp> for a sweep.", file=sys.stderr)
+        return 2
+    out = args.out or path / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    written = report_run(path, out) if is_run else report_sweep(path, out)
+    print("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
