@@ -198,12 +198,12 @@ def _empty(ax, title: str, text: str) -> None:
     ax.set_yticks([])
 
 
-def plot_sweep_loss(runs: list[Run], path: Path, title: str) -> None:
+def plot_sweep_loss(runs: list[Run], path: Path, title: str, colors: dict[str, str]) -> None:
     fig, ax = plt.subplots(figsize=(10, 6))
     for run in runs:
         steps, loss = run.series("train/loss")
         failed = status(run) != "completed"
-        ax.plot(steps, loss, marker=".", ls="--" if failed else "-",
+        ax.plot(steps, loss, marker=".", ls="--" if failed else "-", color=colors[run.name],
                 label=f"{run.name}" + (" (failed)" if failed else ""))
     _labels(ax, f"Training loss per job: {title}", "step", "loss (cross-entropy, nats)")
     fig.tight_layout()
@@ -211,12 +211,12 @@ def plot_sweep_loss(runs: list[Run], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def plot_tradeoff(lines: list[dict], path: Path, title: str) -> None:
+def plot_tradeoff(lines: list[dict], path: Path, title: str, colors: dict[str, str]) -> None:
     """Final loss against cross-replica traffic: local SGD's trade-off in one picture."""
     fig, ax = plt.subplots(figsize=(9, 6))
     points = [line for line in lines if line["final loss"] is not None and line["cross-replica MB per rank"] is not None]
     for line in points:
-        ax.scatter(line["cross-replica MB per rank"], line["final loss"], s=40,
+        ax.scatter(line["cross-replica MB per rank"], line["final loss"], s=40, color=colors[line["name"]],
                    marker="o" if line["status"] == "completed" else "x")
         ax.annotate(line["name"], (line["cross-replica MB per rank"], line["final loss"]), fontsize=8,
                     xytext=(5, 4), textcoords="offset points")
@@ -254,8 +254,9 @@ def report_sweep(sweep_dir: Path, out: Path) -> list[Path]:
     lines = [summarize(run) for run in runs]
     lines.sort(key=lambda line: (line["final loss"] is None, line["final loss"] or 0.0, str(line["job"])))
     write_tables(lines, out, "jobs")
-    plot_sweep_loss(runs, out / "loss.png", sweep_dir.name)
-    plot_tradeoff(lines, out / "tradeoff.png", sweep_dir.name)
+    colors = {run.name: f"C{i % 10}" for i, run in enumerate(runs)}  # a job keeps its colour across plots
+    plot_sweep_loss(runs, out / "loss.png", sweep_dir.name, colors)
+    plot_tradeoff(lines, out / "tradeoff.png", sweep_dir.name, colors)
     print(markdown_table(lines), end="")
     return [out / "jobs.md", out / "jobs.csv", out / "loss.png", out / "tradeoff.png"]
 
