@@ -1,12 +1,13 @@
-"""How ranks come to exist: torchrun starts them, or `python train.py` starts
-`launcher.nproc` of them itself through torch's elastic launch API."""
+"""How ranks come to exist: torchrun starts them, or `python train.py` forks
+`launcher.nproc` of them itself through torch's elastic multiprocessing API;
+a sweep job does the latter and keeps its failure to itself."""
 
 from __future__ import annotations
 
 import logging
 import os
 import sys
-import uuid
+import socket
 from pathlib import Path
 
 import torch
@@ -14,8 +15,7 @@ import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
 
 from harness.checkpoint import CheckpointError
 from harness.config import ConfigError, config_warnings, validate
@@ -139,20 +139,41 @@ def save_hydra_config(cfg: DictConfig, run_dir: Path) -> None:
 
 
 def launch_local(cfg: DictConfig, run_dir: Path, nproc: int) -> str | None:
-    """Start `nproc` local ranks (fork, c10d rendezvous on a free port) and wait
-    for them; what failed, in one line, or None."""
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"harness-{uuid.uuid4().hex[:8]}",
-                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
-                          start_method="fork", monitor_interval=0.1)
+    """Fork `nproc` local ranks, wait for them, and stop the rest when one fails;
+    what failed, in one line, or None.
+
+    The elastic agent (`elastic_launch`) is not used here: it forks ranks while
+    its own store-server thread serves the ranks already started, and c10d
+    formats every socket address with a reverse DNS lookup, so a rank forked
+    while that thread held glibc's resolver lock hung forever in its own
+    lookup (seen in 1 of 40-140 four-rank launches). This process has no
+    threads when it forks; rank 0 hosts the store instead, on a free port.
+    """
+    port = _free_port()
+    envs = {rank: {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+                   "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": str(port)} for rank in range(nproc)}
+    args = (OmegaConf.to_container(cfg, resolve=True), str(run_dir))
     log.info("starting %d local ranks (run dir %s)", nproc, run_dir)
+    ranks = start_processes("harness", worker, {rank: args for rank in range(nproc)}, envs, DefaultLogsSpecs(),
+                            start_method="fork")
     try:
-        elastic_launch(config, worker)(OmegaConf.to_container(cfg, resolve=True), str(run_dir))
-    except ChildFailedError as e:
-        failed = ", ".join(f"rank {r} ({f.signal_name() if f.exitcode < 0 else f'exit {f.exitcode}'})"
-                           for r, f in sorted(e.failures.items()))
-        log.error("training failed: %s; see the traceback above and %s/logs/", failed, run_dir)
-        return failed + (f": {error}" if (error := last_logged_error(run_dir)) else "")
-    return None
+        result = ranks.wait(period=0.1)
+    finally:
+        ranks.close()  # on failure or Ctrl-C: no rank outlives the job
+    if not result.is_failed():
+        return None
+    failed = ", ".join(f"rank {r} ({f.signal_name() if f.exitcode < 0 else f'exit {f.exitcode}'})"
+                       for r, f in sorted(result.failures.items()))
+    log.error("training failed: %s; see the traceback above and %s/logs/", failed, run_dir)
+    return failed + (f": {error}" if (error := last_logged_error(run_dir)) else "")
+
+
+def _free_port() -> int:
+    """A port free right now (the same small race torch's own launcher accepts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def last_logged_error(run_dir: Path) -> str:
