@@ -9,6 +9,7 @@ import os
 import sys
 import socket
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -16,6 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from harness.checkpoint import CheckpointError
 from harness.config import ConfigError, config_warnings, validate
@@ -139,34 +141,39 @@ def save_hydra_config(cfg: DictConfig, run_dir: Path) -> None:
 
 
 def launch_local(cfg: DictConfig, run_dir: Path, nproc: int) -> str | None:
-    """Fork `nproc` local ranks, wait for them, and stop the rest when one fails;
-    what failed, in one line, or None.
+    """Start `nproc` local ranks of this job and wait for them; what failed, in one line, or None."""
+    log.info("starting %d local ranks (run dir %s)", nproc, run_dir)
+    failures = run_local_ranks(worker, (OmegaConf.to_container(cfg, resolve=True), str(run_dir)), nproc)
+    if not failures:
+        return None
+    failed = ", ".join(f"rank {r} ({f.signal_name() if f.exitcode < 0 else f'exit {f.exitcode}'})"
+                       for r, f in sorted(failures.items()))
+    log.error("training failed: %s; see the traceback above and %s/logs/", failed, run_dir)
+    return failed + (f": {error}" if (error := last_logged_error(run_dir)) else "")
+
+
+def run_local_ranks(entrypoint: Callable, args: tuple, nproc: int) -> dict[int, ProcessFailure]:
+    """Fork `nproc` ranks of `entrypoint(*args)` with torchrun's environment,
+    wait, and stop the rest when one fails; the failures by rank ({} if none).
 
     The elastic agent (`elastic_launch`) is not used here: it forks ranks while
     its own store-server thread serves the ranks already started, and c10d
     formats every socket address with a reverse DNS lookup, so a rank forked
     while that thread held glibc's resolver lock hung forever in its own
-    lookup (seen in 1 of 40-140 four-rank launches). This process has no
-    threads when it forks; rank 0 hosts the store instead, on a free port.
+    lookup (`python bench/launch_hangs.py`). This process has no threads that
+    resolve names when it forks; rank 0 hosts the store, on a free port.
     """
     port = _free_port()
     envs = {rank: {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
                    "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                    "MASTER_PORT": str(port)} for rank in range(nproc)}
-    args = (OmegaConf.to_container(cfg, resolve=True), str(run_dir))
-    log.info("starting %d local ranks (run dir %s)", nproc, run_dir)
-    ranks = start_processes("harness", worker, {rank: args for rank in range(nproc)}, envs, DefaultLogsSpecs(),
+    ranks = start_processes("harness", entrypoint, {rank: args for rank in range(nproc)}, envs, DefaultLogsSpecs(),
                             start_method="fork")
     try:
         result = ranks.wait(period=0.1)
     finally:
         ranks.close()  # on failure or Ctrl-C: no rank outlives the job
-    if not result.is_failed():
-        return None
-    failed = ", ".join(f"rank {r} ({f.signal_name() if f.exitcode < 0 else f'exit {f.exitcode}'})"
-                       for r, f in sorted(result.failures.items()))
-    log.error("training failed: %s; see the traceback above and %s/logs/", failed, run_dir)
-    return failed + (f": {error}" if (error := last_logged_error(run_dir)) else "")
+    return result.failures
 
 
 def _free_port() -> int:
