@@ -66,6 +66,11 @@ def test_sweep_jobs_get_their_own_ranks_wandb_runs_and_one_report(tmp_path):
         logged = [(row["train/step"], row.get("train/loss")) for row in run["history"]]
         assert logged == jsonl
     assert set(runs) == names
+    # W&B's own CLI sees four offline runs it would upload
+    offline = sorted(str(p) for p in sweep.glob("*/wandb/offline-run-*"))
+    sync = subprocess.run([sys.executable, "-m", "wandb", "sync", "--dry-run", *offline], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert sync.returncode == 0 and "Would sync 4 run(s)" in sync.stdout + sync.stderr, sync.stdout + sync.stderr
     period = {name: runs[name]["config"]["averager"]["period"] for name in names}
     assert period == {name: int(name[-1]) for name in names}
 
