@@ -90,16 +90,16 @@ def main(cfg: DictConfig) -> dict | None:
 def sweep_job(cfg: DictConfig, hydra_cfg: DictConfig, run_dir: Path) -> dict:
     """One job of `python train.py -m ...`: its own `launcher.nproc` ranks and
     process group, and a failure that stays its own (recorded in `result.json`)."""
-    name_wandb_run(cfg, hydra_cfg)
+    name = name_wandb_run(cfg, hydra_cfg)
     nproc = cfg.launcher.nproc
     if (error := prepare(cfg, nproc, nproc, run_dir, rank=0)) is not None:
-        return write_result(run_dir, hydra_cfg, 2, error.splitlines()[0])
+        return write_result(run_dir, hydra_cfg, name, 2, error.splitlines()[0])
     try:
         failure = launch_local(cfg, run_dir, nproc)
     except Exception as e:  # the launcher itself failed (rendezvous, fork): still this job's failure alone
         log.exception("job %d could not start its ranks", hydra_cfg.job.num)
         failure = f"{type(e).__name__}: {e}"
-    return write_result(run_dir, hydra_cfg, 0 if failure is None else 1, failure or "")
+    return write_result(run_dir, hydra_cfg, name, 0 if failure is None else 1, failure or "")
 
 
 def prepare(cfg: DictConfig, world_size: int, local_world_size: int, run_dir: Path, rank: int) -> str | None:
@@ -163,7 +163,7 @@ def run_local_ranks(entrypoint: Callable, args: tuple, nproc: int) -> dict[int, 
     lookup (`python bench/launch_hangs.py`). This process has no threads that
     resolve names when it forks; rank 0 hosts the store, on a free port.
     """
-    port = _free_port()
+    port = free_port()
     envs = {rank: {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
                    "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                    "MASTER_PORT": str(port)} for rank in range(nproc)}
@@ -176,7 +176,7 @@ def run_local_ranks(entrypoint: Callable, args: tuple, nproc: int) -> dict[int, 
     return result.failures
 
 
-def _free_port() -> int:
+def free_port() -> int:
     """A port free right now (the same small race torch's own launcher accepts)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

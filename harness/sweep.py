@@ -39,31 +39,30 @@ def swept_overrides(hydra_cfg: Any) -> list[str]:
     return named or job
 
 
-def job_name(hydra_cfg: Any) -> str:
-    return ",".join(swept_overrides(hydra_cfg)) or f"job{hydra_cfg.job.num}"
-
-
-def name_wandb_run(cfg: DictConfig, hydra_cfg: Any) -> None:
+def name_wandb_run(cfg: DictConfig, hydra_cfg: Any) -> str:
     """A sweep job's W&B run: grouped by the sweep dir's name, named and tagged by
-    its swept overrides. `wandb.group`/`wandb.name` set by the user win."""
+    its swept overrides (`wandb.group`/`wandb.name` set by the user win); returns
+    the job's name."""
     overrides = swept_overrides(hydra_cfg)
+    name = ",".join(overrides) or f"job{hydra_cfg.job.num}"
     if cfg.wandb.group is None:
         cfg.wandb.group = Path(hydra_cfg.sweep.dir).name
     if cfg.wandb.name is None:
-        cfg.wandb.name = job_name(hydra_cfg)
+        cfg.wandb.name = name
     # W&B refuses tags over 64 characters
     cfg.wandb.tags = list(dict.fromkeys([*cfg.wandb.tags, *(t for t in overrides if len(t) <= 64)]))
+    return name
 
 
-def write_result(run_dir: Path, hydra_cfg: Any, exit_code: int, reason: str) -> dict:
+def write_result(run_dir: Path, hydra_cfg: Any, name: str, exit_code: int, reason: str) -> dict:
     """The job's outcome, next to its metrics: what the summary and reports read."""
-    result = {"job": int(hydra_cfg.job.num), "name": job_name(hydra_cfg), "overrides": list(hydra_cfg.overrides.task),
+    result = {"job": int(hydra_cfg.job.num), "name": name, "overrides": list(hydra_cfg.overrides.task),
               "status": "completed" if exit_code == 0 else "failed", "exit_code": exit_code, "reason": reason}
     (run_dir / RESULT_FILE).write_text(json.dumps(result, indent=1) + "\n")
     return result
 
 
-def read_results(sweep_dir: Path, since: float = 0.0) -> list[dict]:
+def read_results(sweep_dir: Path, since: float) -> list[dict]:
     """Results of the jobs in `sweep_dir` written after `since` (a reused sweep dir keeps older jobs' files)."""
     files = [p for p in sweep_dir.glob(f"*/{RESULT_FILE}") if p.stat().st_mtime >= since]
     return sorted((json.loads(p.read_text()) for p in files), key=lambda r: r["job"])

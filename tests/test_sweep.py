@@ -9,7 +9,6 @@ import csv
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import pytest
 import torch
 
 from conftest import FAST, TRAIN, base_env, check_ok, read_metrics, run_cli
+from harness.launch import free_port
 from harness.report import main as report_main
 from wandb_reader import find_run_files, read_run
 
@@ -157,17 +157,11 @@ def test_remote_style_launcher_jobs_are_summarised_from_their_result_files(tmp_p
     assert "1 of 2 jobs completed, failed: 0" in proc.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def test_two_nodes_shard_inside_a_node_and_average_across_nodes(tmp_path, cli_env):
     """Two torchrun agents (`--nnodes 2 --node-rank 0|1`, 2 ranks each) on one host:
     hybrid_shard's default layout is one replica per node, and the replicas
     (so the nodes) are averaged: their final copies are identical."""
-    port = _free_port()
+    port = free_port()
     args = [*FAST, "train.steps=13", "averager.warmup_steps=4", "averager.period=4", "checkpoint=full",
             "checkpoint.interval=13", "hydra.run.dir=run"]
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(n),
