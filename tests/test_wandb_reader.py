@@ -39,6 +39,9 @@ def run_file(wandb_env):
         run.config.update({"late": "v"})  # goes to a separate config record
     finally:
         run.finish()
+        # as MetricsSink.close: finish() can return before wandb-core has written
+        # the file out (seen: a file holding only its header); teardown waits for it
+        wandb.teardown()
     files = find_run_files(wandb_env)
     assert len(files) == 1
     assert files[0].parent.name.startswith("offline-run-")
