@@ -24,6 +24,7 @@ from omegaconf import BooleanNode, DictConfig, OmegaConf, open_dict
 
 from harness.checkpoint import CheckpointError, check_compatible, checkpoint_dir, complete_checkpoints, read_meta, resume_path
 from harness.data import text_files
+from harness.dist import resolve_device, under_torchrun
 from harness.mesh import STRATEGIES, mesh_shape
 
 
@@ -36,7 +37,12 @@ class ConfigError(ValueError):
 
 @dataclass
 class LauncherConf:
-    nproc: int = 2  # ranks `python train.py` starts itself; ignored under torchrun
+    # ranks `python train.py` starts itself (ignored under torchrun); null = one
+    # per visible GPU when the ranks use CUDA, else 2
+    nproc: Optional[int] = None
+    # how they are started: auto = spawn when they use CUDA (a forked child cannot
+    # use CUDA if its parent ever touched it), fork otherwise (0.3 s, not 2-3 s)
+    start_method: str = "auto"  # auto | fork | spawn | forkserver
 
 
 @dataclass
@@ -55,6 +61,10 @@ class TrainConf:
     device: str = "auto"  # auto | cpu | cuda
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     nonfinite: str = "error"  # NaN/inf loss or gradients: error (stop) | skip (drop the step on every rank)
+    compile: bool = False  # torch.compile each block (as torchtitan does)
+    # peak dense bf16 TFLOP/s of one device, for train/mfu; null = looked up
+    # from the GPU's name (harness.metrics.PEAK_TFLOPS), none on CPU
+    peak_tflops: Optional[float] = None
 
 
 # --- model ----------------------------------------------------------------------
@@ -107,6 +117,7 @@ class SGDConf:
     momentum: float = 0.0
     weight_decay: float = 0.0
     nesterov: bool = False
+    fused: Optional[bool] = None  # null = fused kernels on CUDA, the default (foreach) elsewhere
 
 
 @dataclass
@@ -117,6 +128,7 @@ class AdamConf:
     betas: Tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
+    fused: Optional[bool] = None  # null = fused kernels on CUDA, the default (foreach) elsewhere
 
 
 @dataclass
@@ -163,7 +175,9 @@ class ShardingConf:
     # means "what the strategy implies" (1 for full/grad-op sharding, world size
     # for no_shard and ddp).
     replicate: Optional[int] = None
-    param_dtype: str = "auto"  # auto = bfloat16 on cuda, float32 on cpu
+    # compute dtype: FSDP2's mixed-precision params, autocast for ddp;
+    # auto = bfloat16 on cuda, float32 on cpu
+    param_dtype: str = "auto"
     reduce_dtype: str = "float32"  # auto = float32 too
 
 
@@ -238,6 +252,7 @@ def register_configs() -> None:
 # --- validation -----------------------------------------------------------------
 
 DEVICES = ("auto", "cpu", "cuda")
+START_METHODS = ("auto", "fork", "spawn", "forkserver")
 NONFINITE = ("error", "skip")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 WANDB_MODES = ("offline", "online", "disabled")
@@ -245,16 +260,17 @@ CHECKPOINT_MODES = ("none", "full", "sharded")
 EXTRA_KEYS = {CheckpointConf: {"async"}}  # schema keys no dataclass field can carry (see checkpoint_schema)
 
 
-def validate(cfg: DictConfig, world_size: int, cuda_available: bool, run_dir: Path | None = None,
+def validate(cfg: DictConfig, world_size: int, gpus: int, run_dir: Path | None = None,
              local_world_size: int | None = None) -> None:
     """Check every cross-field rule before any process group exists.
 
-    Raises ConfigError with one paragraph per broken rule, each naming the key,
-    its value and the fix. With `run_dir`, also checks the checkpoint the run
+    `gpus` is the number of CUDA devices visible on this node. Raises
+    ConfigError with one paragraph per broken rule, each naming the key, its
+    value and the fix. With `run_dir`, also checks the checkpoint the run
     would resume from (exists, complete, same model and optimizer).
     """
     errors = unknown_keys(cfg)
-    errors += _check_train(cfg, world_size, cuda_available)
+    errors += _check_train(cfg, world_size, gpus, local_world_size or world_size)
     errors += _check_model_and_data(cfg)
     errors += _check_optimizer(cfg.optimizer)
     errors += _check_sharding_and_averager(cfg, world_size, local_world_size)
@@ -309,28 +325,51 @@ def _at_least(cfg: DictConfig, key: str, minimum: float, fix: str) -> list[str]:
     return []
 
 
-def _check_train(cfg: DictConfig, world_size: int, cuda_available: bool) -> list[str]:
+def _check_train(cfg: DictConfig, world_size: int, gpus: int, local_world_size: int) -> list[str]:
     errors = []
     for key, minimum in [("train.steps", 1), ("train.batch_size", 1), ("train.seq_len", 2),
-                         ("train.log_every", 1), ("launcher.nproc", 1), ("dist.timeout_s", 1)]:
+                         ("train.log_every", 1), ("dist.timeout_s", 1)]:
         errors += _at_least(cfg, key, minimum, f"set {key}={max(minimum, 1)} or larger")
     errors += _at_least(cfg, "train.grad_clip", 0, "set train.grad_clip=0 to disable clipping")
-    if cfg.dist.threads_per_rank is not None:
-        errors += _at_least(cfg, "dist.threads_per_rank", 1, "set dist.threads_per_rank=null (automatic)")
+    for key in ("launcher.nproc", "dist.threads_per_rank"):
+        if OmegaConf.select(cfg, key) is not None:
+            errors += _at_least(cfg, key, 1, f"set {key}=null (automatic) or a positive number")
+    if cfg.train.peak_tflops is not None and cfg.train.peak_tflops <= 0:
+        errors.append(f"train.peak_tflops={cfg.train.peak_tflops} must be positive (one device's peak dense "
+                      "TFLOP/s). Fix: train.peak_tflops=null to look it up from the GPU's name.")
     if cfg.train.nonfinite not in NONFINITE:
         errors.append(f"train.nonfinite={cfg.train.nonfinite!r} is not one of {', '.join(NONFINITE)}. "
                       "Fix: train.nonfinite=error (stop) or train.nonfinite=skip.")
-    device = cfg.train.device
-    if device not in DEVICES:
-        errors.append(f"train.device={device!r} is not one of {', '.join(DEVICES)}. Fix: train.device=auto.")
-    elif device == "cuda" and not cuda_available:
-        errors.append("train.device=cuda but torch.cuda.is_available() is False on this machine. "
-                      "Fix: train.device=auto (cuda when present, else cpu) or train.device=cpu.")
+    if cfg.launcher.start_method not in START_METHODS:
+        errors.append(f"launcher.start_method={cfg.launcher.start_method!r} is not one of "
+                      f"{', '.join(START_METHODS)}. Fix: launcher.start_method=auto.")
+    errors += _check_device(cfg, gpus, local_world_size)
     cpus = len(os.sched_getaffinity(0))
-    if cfg.launcher.nproc > 16 * cpus:
+    if cfg.launcher.nproc is not None and cfg.launcher.nproc > 16 * cpus:
         errors.append(f"launcher.nproc={cfg.launcher.nproc} starts more than 16 ranks per CPU core "
                       f"({cpus} cores here); the run would thrash. Fix: launcher.nproc=2, or use torchrun across nodes.")
     return errors
+
+
+def _check_device(cfg: DictConfig, gpus: int, local_world_size: int) -> list[str]:
+    """A device that exists, and one GPU per local rank."""
+    device = cfg.train.device
+    if device not in DEVICES:
+        return [f"train.device={device!r} is not one of {', '.join(DEVICES)}. Fix: train.device=auto."]
+    if device == "cuda" and gpus == 0:
+        return ["train.device=cuda but no CUDA device is visible on this machine. "
+                "Fix: train.device=auto (cuda when present, else cpu) or train.device=cpu."]
+    if resolve_device(device, gpus) != "cuda":
+        return []
+    if local_world_size > gpus:
+        given = (f"launcher.nproc={local_world_size}" if not under_torchrun()
+                 else f"torchrun --nproc-per-node {local_world_size}")
+        fix = (f"launcher.nproc={gpus} (or launcher.nproc=null: one rank per GPU)" if not under_torchrun()
+               else f"torchrun --nproc-per-node {gpus}")
+        return [f"{given} starts {local_world_size} ranks on this node, but only {gpus} CUDA device(s) are "
+                f"visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); each rank "
+                f"needs a GPU of its own. Fix: {fix}, or train.device=cpu."]
+    return []
 
 
 def _check_model_and_data(cfg: DictConfig) -> list[str]:
@@ -420,9 +459,11 @@ def _check_sharding_and_averager(cfg: DictConfig, world_size: int, local_world_s
     for key in ("param_dtype", "reduce_dtype"):
         if shard[key] not in DTYPES:
             errors.append(f"sharding.{key}={shard[key]!r} is not one of {', '.join(DTYPES)}. Fix: sharding.{key}=auto.")
-    if shard.strategy == "ddp" and shard.param_dtype not in ("auto", "float32"):
-        errors.append(f"sharding.param_dtype={shard.param_dtype} is FSDP2's mixed-precision policy; sharding=ddp "
-                      "trains in float32. Fix: sharding.param_dtype=auto, or sharding=no_shard for low-precision replicas.")
+    if shard.strategy == "ddp" and shard.param_dtype == "float16":
+        errors.append("sharding.param_dtype=float16 with sharding=ddp would autocast to float16 without a gradient "
+                      "scaler, and small gradients underflow. Fix: sharding.param_dtype=bfloat16 (or auto).")
+    if world_size < 1:  # launcher.nproc < 1, reported with the launcher's keys
+        return errors
     try:
         replicate, _ = mesh_shape(shard.strategy, shard.replicate, world_size, local_world_size)
     except ValueError as e:

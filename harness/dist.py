@@ -58,13 +58,28 @@ def agree_on_run_stamp() -> None:
     _store = dist.PrefixStore(f"harness/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
+def visible_gpus() -> int:
+    """CUDA devices this process may use (CUDA_VISIBLE_DEVICES applies), counted
+    through NVML so that CUDA is never initialised here: the process that
+    validates a config and forks ranks must stay able to fork ranks that use
+    CUDA. PYTORCH_NVML_BASED_CUDA_CHECK=1 is PyTorch's documented switch for
+    that in `torch.cuda.is_available`; `device_count` asks NVML first anyway."""
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve_device(name: str, gpus: int) -> str:
+    """`train.device` as the device type ranks use: `auto` is cuda when a GPU is visible."""
+    return "cuda" if name == "cuda" or (name == "auto" and gpus > 0) else "cpu"
+
+
 def init_distributed(device_name: str, timeout_s: int, threads_per_rank: int | None) -> DistEnv:
     """Join (or, alone, create) the default process group: nccl on cuda, gloo on cpu."""
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    use_cuda = device_name == "cuda" or (device_name == "auto" and torch.cuda.is_available())
+    use_cuda = resolve_device(device_name, visible_gpus()) == "cuda"
     if use_cuda:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
@@ -101,6 +116,12 @@ def true_on_every_rank(flag: torch.Tensor) -> bool:
     agreed = flag.to(torch.int32).reshape(1)
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
     return bool(agreed.item())
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so a clock read next measures finished work, not kernel launches."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def mean_over_ranks(value: torch.Tensor) -> float:

@@ -11,7 +11,6 @@ import socket
 from pathlib import Path
 from typing import Callable
 
-import torch
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
@@ -21,7 +20,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from harness.checkpoint import CheckpointError
 from harness.config import ConfigError, config_warnings, validate
-from harness.dist import agree_on_run_stamp, under_torchrun
+from harness.dist import agree_on_run_stamp, resolve_device, under_torchrun, visible_gpus
 from harness.loop import NonFiniteLossError, run
 from harness.mesh import HYBRID, mesh_shape
 from harness.sweep import name_wandb_run, write_result
@@ -76,7 +75,7 @@ def main(cfg: DictConfig) -> dict | None:
         return sweep_job(cfg, hydra_cfg, run_dir)
     torchrun = under_torchrun()
     rank = int(os.environ["RANK"]) if torchrun else 0
-    world_size = int(os.environ["WORLD_SIZE"]) if torchrun else cfg.launcher.nproc
+    world_size = int(os.environ["WORLD_SIZE"]) if torchrun else local_rank_count(cfg)
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if torchrun else world_size
     if prepare(cfg, world_size, local_world_size, run_dir, rank) is not None:
         _remove_if_empty(run_dir)
@@ -91,7 +90,7 @@ def sweep_job(cfg: DictConfig, hydra_cfg: DictConfig, run_dir: Path) -> dict:
     """One job of `python train.py -m ...`: its own `launcher.nproc` ranks and
     process group, and a failure that stays its own (recorded in `result.json`)."""
     name = name_wandb_run(cfg, hydra_cfg)
-    nproc = cfg.launcher.nproc
+    nproc = local_rank_count(cfg)
     if (error := prepare(cfg, nproc, nproc, run_dir, rank=0)) is not None:
         return write_result(run_dir, hydra_cfg, name, 2, error.splitlines()[0])
     try:
@@ -102,11 +101,28 @@ def sweep_job(cfg: DictConfig, hydra_cfg: DictConfig, run_dir: Path) -> dict:
     return write_result(run_dir, hydra_cfg, name, 0 if failure is None else 1, failure or "")
 
 
+def local_rank_count(cfg: DictConfig) -> int:
+    """`launcher.nproc`, filled in when null (so the config records it): one rank
+    per visible GPU when the ranks use CUDA, else 2."""
+    if cfg.launcher.nproc is None:
+        gpus = visible_gpus()
+        cfg.launcher.nproc = gpus if resolve_device(cfg.train.device, gpus) == "cuda" else 2
+    return cfg.launcher.nproc
+
+
+def start_method(cfg: DictConfig) -> str:
+    """`launcher.start_method`; auto = spawn for CUDA ranks (a forked child cannot
+    use CUDA once its parent has touched it, whoever did), fork otherwise."""
+    if cfg.launcher.start_method != "auto":
+        return cfg.launcher.start_method
+    return "spawn" if resolve_device(cfg.train.device, visible_gpus()) == "cuda" else "fork"
+
+
 def prepare(cfg: DictConfig, world_size: int, local_world_size: int, run_dir: Path, rank: int) -> str | None:
     """Validate, fill in the replica count, and set up logging and `.hydra/`;
     the validation errors (already printed) when the config cannot run."""
     try:
-        validate(cfg, world_size, torch.cuda.is_available(), run_dir, local_world_size)
+        validate(cfg, world_size, visible_gpus(), run_dir, local_world_size)
     except ConfigError as e:
         if rank == 0:
             print(f"harness: the config cannot run (world size {world_size}):\n\n{e}", file=sys.stderr)
@@ -142,8 +158,9 @@ def save_hydra_config(cfg: DictConfig, run_dir: Path) -> None:
 
 def launch_local(cfg: DictConfig, run_dir: Path, nproc: int) -> str | None:
     """Start `nproc` local ranks of this job and wait for them; what failed, in one line, or None."""
-    log.info("starting %d local ranks (run dir %s)", nproc, run_dir)
-    failures = run_local_ranks(worker, (OmegaConf.to_container(cfg, resolve=True), str(run_dir)), nproc)
+    method = start_method(cfg)
+    log.info("starting %d local ranks (%s; run dir %s)", nproc, method, run_dir)
+    failures = run_local_ranks(worker, (OmegaConf.to_container(cfg, resolve=True), str(run_dir)), nproc, method)
     if not failures:
         return None
     failed = ", ".join(f"rank {r} ({f.signal_name() if f.exitcode < 0 else f'exit {f.exitcode}'})"
@@ -152,8 +169,9 @@ def launch_local(cfg: DictConfig, run_dir: Path, nproc: int) -> str | None:
     return failed + (f": {error}" if (error := last_logged_error(run_dir)) else "")
 
 
-def run_local_ranks(entrypoint: Callable, args: tuple, nproc: int) -> dict[int, ProcessFailure]:
-    """Fork `nproc` ranks of `entrypoint(*args)` with torchrun's environment,
+def run_local_ranks(entrypoint: Callable, args: tuple, nproc: int,
+                    start_method: str = "fork") -> dict[int, ProcessFailure]:
+    """Start `nproc` ranks of `entrypoint(*args)` with torchrun's environment,
     wait, and stop the rest when one fails; the failures by rank ({} if none).
 
     The elastic agent (`elastic_launch`) is not used here: it forks ranks while
@@ -162,13 +180,14 @@ def run_local_ranks(entrypoint: Callable, args: tuple, nproc: int) -> dict[int, 
     while that thread held glibc's resolver lock hung forever in its own
     lookup (`python bench/launch_hangs.py`). This process has no threads that
     resolve names when it forks; rank 0 hosts the store, on a free port.
+    `spawn` (for CUDA ranks) starts fresh interpreters, which inherit no locks.
     """
     port = free_port()
     envs = {rank: {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
                    "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                    "MASTER_PORT": str(port)} for rank in range(nproc)}
     ranks = start_processes("harness", entrypoint, {rank: args for rank in range(nproc)}, envs, DefaultLogsSpecs(),
-                            start_method="fork")
+                            start_method=start_method)
     try:
         result = ranks.wait(period=0.1)
     finally:
@@ -206,7 +225,8 @@ def run_rank(cfg: DictConfig, run_dir: Path) -> None:
     try:
         run(cfg, run_dir)
     except (CheckpointError, NonFiniteLossError) as e:
-        log.error("%s", e)
+        # with its cause's traceback when it wraps one (a failed save or load), so a bug is not taken for a full disk
+        log.error("%s", e, exc_info=e.__cause__ is not None)
         sys.exit(1)
     except (dist.DistError, RuntimeError) as e:
         if "timed out" not in str(e).lower():

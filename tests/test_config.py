@@ -10,6 +10,8 @@ from omegaconf import OmegaConf
 
 from conftest import REPO
 from harness.config import ConfigError, register_configs, validate
+from harness.dist import visible_gpus
+from harness.launch import local_rank_count
 from harness.mesh import mesh_shape
 
 register_configs()
@@ -35,15 +37,16 @@ def test_every_group_option_composes_into_its_schema(group, option):
 
 
 def test_default_config_is_valid_at_two_ranks_and_takes_averager_period():
-    validate(make(), world_size=2, cuda_available=False)
+    validate(make(), world_size=2, gpus=0)
     cfg = make("averager.period=4")
-    validate(cfg, world_size=2, cuda_available=False)
-    assert cfg.averager.period == 4 and cfg.launcher.nproc == 2
+    validate(cfg, world_size=2, gpus=0)
+    assert cfg.averager.period == 4 and cfg.launcher.nproc is None
+    assert local_rank_count(cfg) == (visible_gpus() or 2) == cfg.launcher.nproc  # one rank per GPU, else 2
 
 
 def test_mission_configs_are_valid():
-    validate(make("optimizer=sgd", "averager.period=4"), world_size=2, cuda_available=False)
-    validate(make("sharding=hybrid_shard", "sharding.replicate=2", "optimizer=adamw"), world_size=4, cuda_available=False)
+    validate(make("optimizer=sgd", "averager.period=4"), world_size=2, gpus=0)
+    validate(make("sharding=hybrid_shard", "sharding.replicate=2", "optimizer=adamw"), world_size=4, gpus=0)
 
 
 @pytest.mark.parametrize("overrides,error", [
@@ -68,69 +71,75 @@ def test_schemas_are_not_listed_as_group_options():
     assert "periodic" in listed and "schema" not in listed
 
 
-# (overrides, world size, cuda available, substrings the error must contain)
+# (overrides, world size, visible GPUs, substrings the error must contain)
 RULES = [
-    (["+averager.perod=4"], 2, False, ["averager.perod", "PeriodicAveragerConf", "Valid keys", "drop the '+'"]),
-    (["+train.stepz=3"], 2, False, ["train.stepz", "TrainConf"]),
-    (["train.steps=0"], 2, False, ["train.steps=0", ">= 1"]),
-    (["train.batch_size=-1"], 2, False, ["train.batch_size=-1", ">= 1"]),
-    (["train.seq_len=1"], 2, False, ["train.seq_len=1", ">= 2"]),
-    (["train.log_every=0"], 2, False, ["train.log_every=0"]),
-    (["train.grad_clip=-1"], 2, False, ["train.grad_clip=-1.0", "train.grad_clip=0"]),
-    (["train.device=tpu"], 2, False, ["train.device='tpu'", "train.device=auto"]),
-    (["train.device=cuda"], 2, False, ["train.device=cuda", "is_available() is False", "train.device=cpu"]),
-    (["launcher.nproc=0"], 2, False, ["launcher.nproc=0"]),
-    (["launcher.nproc=100000"], 2, False, ["launcher.nproc=100000", "thrash"]),
-    (["dist.timeout_s=0"], 2, False, ["dist.timeout_s=0"]),
-    (["dist.threads_per_rank=0"], 2, False, ["dist.threads_per_rank=0", "null"]),
-    (["model.n_head=3"], 2, False, ["model.d_model=128", "model.n_head=3", "model.n_head=4"]),
-    (["model.n_layer=0"], 2, False, ["model.n_layer=0"]),
-    (["data.noise=1.5"], 2, False, ["data.noise=1.5", "[0, 1)"]),
-    (["data=text", "model.vocab_size=100"], 2, False, ["model.vocab_size=100", "byte-level", "model.vocab_size=256"]),
-    (["data=text", "data.glob=**/*.nothing-matches"], 2, False, ["data.glob='**/*.nothing-matches'", "matches no file"]),
-    (["data=text", "data.root=/no/such/dir"], 2, False, ["data.root='/no/such/dir'", "not a directory"]),
-    (["+optimizer.momentm=0.9"], 2, False, ["optimizer.momentm=0.9", "torch.optim.SGD", "momentum"]),
-    (["optimizer.lr=0"], 2, False, ["optimizer.lr=0", "positive"]),
-    (["optimizer._target_=torch.optim.Nope"], 2, False, ["optimizer._target_='torch.optim.Nope'", "cannot be imported"]),
-    (["optimizer._target_=torch.nn.Linear"], 2, False, ["torch.nn.Linear", "not a torch.optim.Optimizer"]),
-    (["sharding=hybrid_shard", "sharding.replicate=3"], 4, False, ["sharding.replicate=3", "world size 4", "[1, 2, 4]"]),
-    (["sharding=hybrid_shard", "averager=none"], 1, False, ["sharding.replicate=null (one replica per node", "world size 1"]),
-    (["sharding=full_shard", "sharding.replicate=2"], 4, False, ["sharding.replicate=2 conflicts with sharding=full_shard"]),
-    (["sharding=ddp", "sharding.param_dtype=bfloat16"], 2, False, ["sharding.param_dtype=bfloat16", "sharding=no_shard"]),
-    (["sharding.reduce_dtype=float8"], 2, False, ["sharding.reduce_dtype='float8'"]),
-    (["sharding.strategy=zero3"], 2, False, ["sharding.strategy='zero3'", "full_shard"]),
-    (["sharding=full_shard"], 4, False, ["averager=periodic", "1 replica", "sharding=hybrid_shard sharding.replicate=2",
+    (["+averager.perod=4"], 2, 0, ["averager.perod", "PeriodicAveragerConf", "Valid keys", "drop the '+'"]),
+    (["+train.stepz=3"], 2, 0, ["train.stepz", "TrainConf"]),
+    (["train.steps=0"], 2, 0, ["train.steps=0", ">= 1"]),
+    (["train.batch_size=-1"], 2, 0, ["train.batch_size=-1", ">= 1"]),
+    (["train.seq_len=1"], 2, 0, ["train.seq_len=1", ">= 2"]),
+    (["train.log_every=0"], 2, 0, ["train.log_every=0"]),
+    (["train.grad_clip=-1"], 2, 0, ["train.grad_clip=-1.0", "train.grad_clip=0"]),
+    (["train.device=tpu"], 2, 0, ["train.device='tpu'", "train.device=auto"]),
+    (["train.device=cuda"], 2, 0, ["train.device=cuda", "no CUDA device is visible", "train.device=cpu"]),
+    (["train.device=cuda", "launcher.nproc=4"], 4, 2, ["launcher.nproc=4 starts 4 ranks", "only 2 CUDA device(s)",
+                                                        "Fix: launcher.nproc=2", "train.device=cpu"]),
+    (["launcher.nproc=2"], 2, 1, ["launcher.nproc=2 starts 2 ranks", "only 1 CUDA device(s)"]),  # auto picks cuda
+    (["launcher.start_method=thread"], 2, 0, ["launcher.start_method='thread'", "launcher.start_method=auto"]),
+    (["train.peak_tflops=0"], 2, 0, ["train.peak_tflops=0", "train.peak_tflops=null"]),
+    (["launcher.nproc=0"], 2, 0, ["launcher.nproc=0"]),
+    (["launcher.nproc=100000"], 2, 0, ["launcher.nproc=100000", "thrash"]),
+    (["dist.timeout_s=0"], 2, 0, ["dist.timeout_s=0"]),
+    (["dist.threads_per_rank=0"], 2, 0, ["dist.threads_per_rank=0", "null"]),
+    (["model.n_head=3"], 2, 0, ["model.d_model=128", "model.n_head=3", "model.n_head=4"]),
+    (["model.n_layer=0"], 2, 0, ["model.n_layer=0"]),
+    (["data.noise=1.5"], 2, 0, ["data.noise=1.5", "[0, 1)"]),
+    (["data=text", "model.vocab_size=100"], 2, 0, ["model.vocab_size=100", "byte-level", "model.vocab_size=256"]),
+    (["data=text", "data.glob=**/*.nothing-matches"], 2, 0, ["data.glob='**/*.nothing-matches'", "matches no file"]),
+    (["data=text", "data.root=/no/such/dir"], 2, 0, ["data.root='/no/such/dir'", "not a directory"]),
+    (["+optimizer.momentm=0.9"], 2, 0, ["optimizer.momentm=0.9", "torch.optim.SGD", "momentum"]),
+    (["optimizer.lr=0"], 2, 0, ["optimizer.lr=0", "positive"]),
+    (["optimizer._target_=torch.optim.Nope"], 2, 0, ["optimizer._target_='torch.optim.Nope'", "cannot be imported"]),
+    (["optimizer._target_=torch.nn.Linear"], 2, 0, ["torch.nn.Linear", "not a torch.optim.Optimizer"]),
+    (["sharding=hybrid_shard", "sharding.replicate=3"], 4, 0, ["sharding.replicate=3", "world size 4", "[1, 2, 4]"]),
+    (["sharding=hybrid_shard", "averager=none"], 1, 0, ["sharding.replicate=null (one replica per node", "world size 1"]),
+    (["sharding=full_shard", "sharding.replicate=2"], 4, 0, ["sharding.replicate=2 conflicts with sharding=full_shard"]),
+    (["sharding=ddp", "sharding.param_dtype=float16"], 2, 0, ["sharding.param_dtype=float16", "gradient scaler",
+                                                              "sharding.param_dtype=bfloat16"]),
+    (["sharding.reduce_dtype=float8"], 2, 0, ["sharding.reduce_dtype='float8'"]),
+    (["sharding.strategy=zero3"], 2, 0, ["sharding.strategy='zero3'", "full_shard"]),
+    (["sharding=full_shard"], 4, 0, ["averager=periodic", "1 replica", "sharding=hybrid_shard sharding.replicate=2",
                                          "averager=none"]),
-    (["sharding=full_shard"], 2, False, ["averager=periodic", "Fix: sharding=no_shard"]),
-    (["sharding=no_shard"], 1, False, ["averager=periodic", "launcher.nproc=2"]),
-    (["averager.period=0"], 2, False, ["averager.period=0", ">= 1"]),
-    (["averager.warmup_steps=-1"], 2, False, ["averager.warmup_steps=-1", ">= 0"]),
-    (["averager=hierarchical", "sharding=no_shard"], 2, False,
+    (["sharding=full_shard"], 2, 0, ["averager=periodic", "Fix: sharding=no_shard"]),
+    (["sharding=no_shard"], 1, 0, ["averager=periodic", "launcher.nproc=2"]),
+    (["averager.period=0"], 2, 0, ["averager.period=0", ">= 1"]),
+    (["averager.warmup_steps=-1"], 2, 0, ["averager.warmup_steps=-1", ">= 0"]),
+    (["averager=hierarchical", "sharding=no_shard"], 2, 0,
      ["averager.period_group_size=[[2,2],[8,4]]", "divide the replica count 2", "averager.period_group_size=[[4,2]]"]),
-    (["averager=hierarchical", "sharding=no_shard", "averager.period_group_size=[[8,4],[2,2]]"], 4, False,
+    (["averager=hierarchical", "sharding=no_shard", "averager.period_group_size=[[8,4],[2,2]]"], 4, 0,
      ["strictly increasing", "last group size = 4"]),
-    (["averager=hierarchical", "sharding=no_shard", "averager.period_group_size=[[2,2],[8,2]]"], 4, False,
+    (["averager=hierarchical", "sharding=no_shard", "averager.period_group_size=[[2,2],[8,2]]"], 4, 0,
      ["the largest period must average all 4 replicas"]),
-    (["averager=hierarchical", "sharding=no_shard", "averager.period_group_size=[[2,2],[4,3],[8,6]]"], 6, False,
+    (["averager=hierarchical", "sharding=no_shard", "averager.period_group_size=[[2,2],[4,3],[8,6]]"], 6, 0,
      ["each group size must divide the next"]),
-    (["averager=hierarchical", "sharding=no_shard", "averager.period_group_size=[[2]]"], 4, False,
+    (["averager=hierarchical", "sharding=no_shard", "averager.period_group_size=[[2]]"], 4, 0,
      ["list of [period, group_size] pairs"]),
-    (["averager=hierarchical", "sharding=full_shard"], 4, False, ["averager=hierarchical", "1 replica"]),
-    (["checkpoint=sharded", "checkpoint.interval=0"], 2, False, ["checkpoint.interval=0"]),
-    (["checkpoint=full", "checkpoint.keep=0"], 2, False, ["checkpoint.keep=0"]),
-    (["checkpoint.mode=sometimes"], 2, False, ["checkpoint.mode='sometimes'", "checkpoint=none|full|sharded"]),
-    (["checkpoint=full", "checkpoint.async=true"], 2, False, ["checkpoint.async=true needs checkpoint=sharded",
+    (["averager=hierarchical", "sharding=full_shard"], 4, 0, ["averager=hierarchical", "1 replica"]),
+    (["checkpoint=sharded", "checkpoint.interval=0"], 2, 0, ["checkpoint.interval=0"]),
+    (["checkpoint=full", "checkpoint.keep=0"], 2, 0, ["checkpoint.keep=0"]),
+    (["checkpoint.mode=sometimes"], 2, 0, ["checkpoint.mode='sometimes'", "checkpoint=none|full|sharded"]),
+    (["checkpoint=full", "checkpoint.async=true"], 2, 0, ["checkpoint.async=true needs checkpoint=sharded",
                                                               "Fix: checkpoint=sharded checkpoint.async=true"]),
-    (["wandb.mode=loud"], 2, False, ["wandb.mode='loud'", "wandb.mode=offline"]),
+    (["wandb.mode=loud"], 2, 0, ["wandb.mode='loud'", "wandb.mode=offline"]),
 ]
 
 
-@pytest.mark.parametrize("overrides,world_size,cuda,expected", RULES, ids=[" ".join(r[0]) + f"@{r[1]}" for r in RULES])
-def test_validate_names_key_value_and_fix(overrides, world_size, cuda, expected):
+@pytest.mark.parametrize("overrides,world_size,gpus,expected", RULES, ids=[" ".join(r[0]) + f"@{r[1]}" for r in RULES])
+def test_validate_names_key_value_and_fix(overrides, world_size, gpus, expected):
     if "optimizer" in overrides[0] and "momentm" in overrides[0]:
         overrides = ["optimizer=sgd", *overrides]
     with pytest.raises(ConfigError) as info:
-        validate(make(*overrides), world_size=world_size, cuda_available=cuda)
+        validate(make(*overrides), world_size=world_size, gpus=gpus)
     message = str(info.value)
     for text in expected:
         assert text in message, f"{text!r} not in:\n{message}"
@@ -138,14 +147,14 @@ def test_validate_names_key_value_and_fix(overrides, world_size, cuda, expected)
 
 
 def test_valid_hierarchies_pass():
-    validate(make("averager=hierarchical", "sharding=no_shard"), world_size=4, cuda_available=False)
+    validate(make("averager=hierarchical", "sharding=no_shard"), world_size=4, gpus=0)
     validate(make("averager=hierarchical", "sharding=hybrid_shard", "sharding.replicate=4",
-                  "averager.period_group_size=[[4,2],[16,4]]"), world_size=8, cuda_available=False)
+                  "averager.period_group_size=[[4,2],[16,4]]"), world_size=8, gpus=0)
 
 
 def test_validate_reports_every_broken_rule_at_once():
     with pytest.raises(ConfigError) as info:
-        validate(make("train.steps=0", "averager.period=0"), world_size=2, cuda_available=False)
+        validate(make("train.steps=0", "averager.period=0"), world_size=2, gpus=0)
     assert "train.steps=0" in str(info.value) and "averager.period=0" in str(info.value)
 
 
@@ -157,17 +166,17 @@ def test_any_torch_optim_class_is_one_yaml_file_away(tmp_path):
     (tmp_path / "optimizer").mkdir()
     (tmp_path / "optimizer" / "rmsprop.yaml").write_text("_target_: torch.optim.RMSprop\n_partial_: true\nlr: 0.01\nalpha: 0.9\n")
     cfg = make(f"hydra.searchpath=[file://{tmp_path}]", "optimizer=rmsprop")
-    validate(cfg, world_size=2, cuda_available=False)
-    optimizer = build_optimizer(cfg.optimizer, torch.nn.Linear(2, 2))
+    validate(cfg, world_size=2, gpus=0)
+    optimizer = build_optimizer(cfg.optimizer, torch.nn.Linear(2, 2), torch.device("cpu"))
     assert isinstance(optimizer, torch.optim.RMSprop) and optimizer.defaults["alpha"] == 0.9
     with pytest.raises(ConfigError, match="optimizer.alpah=0.9 is not an argument of torch.optim.RMSprop"):
         validate(make(f"hydra.searchpath=[file://{tmp_path}]", "optimizer=rmsprop", "+optimizer.alpah=0.9"),
-                 world_size=2, cuda_available=False)
+                 world_size=2, gpus=0)
 
 
 def test_checkpoint_async_is_a_typed_key():
     cfg = make("checkpoint=sharded", "checkpoint.async=true")
-    validate(cfg, world_size=2, cuda_available=False)
+    validate(cfg, world_size=2, gpus=0)
     assert cfg.checkpoint["async"] is True
 
 
@@ -204,7 +213,7 @@ def test_resume_checks_name_the_path_and_the_fix(name, overrides, expected, tmp_
     fake_checkpoint(tmp_path / "ok" / "step_9", 9)
     cfg = make(*(o.format(root=tmp_path) for o in overrides))
     with pytest.raises(ConfigError) as info:
-        validate(cfg, world_size=2, cuda_available=False, run_dir=tmp_path / "run")
+        validate(cfg, world_size=2, gpus=0, run_dir=tmp_path / "run")
     for text in expected:
         assert text in str(info.value), f"{text!r} not in:\n{info.value}"
     assert "Fix:" in str(info.value)
@@ -221,7 +230,7 @@ def test_resume_auto_picks_the_latest_complete_checkpoint(tmp_path):
     (run / "checkpoints" / "step_12.partial").mkdir()
     (run / "checkpoints" / "step_11").mkdir()  # no meta.json: not complete
     assert resume_path(cfg.checkpoint, run) == run / "checkpoints" / "step_10"
-    validate(cfg, world_size=2, cuda_available=False, run_dir=run)
+    validate(cfg, world_size=2, gpus=0, run_dir=run)
     cfg = make("checkpoint=sharded", f"checkpoint.resume={run / 'checkpoints'}")  # a folder: its latest
     assert resume_path(cfg.checkpoint, run) == run / "checkpoints" / "step_10"
 
@@ -230,7 +239,7 @@ def test_warmup_past_the_last_step_warns_but_runs():
     from harness.config import config_warnings
 
     cfg = make("train.steps=8")  # the default warmup is 10
-    validate(cfg, world_size=2, cuda_available=False)
+    validate(cfg, world_size=2, gpus=0)
     [warning] = config_warnings(cfg)
     assert "averager.warmup_steps=10 >= train.steps=8" in warning and "averager=none" in warning
     assert config_warnings(make()) == [] and config_warnings(make("averager=none", "train.steps=8")) == []
@@ -241,7 +250,7 @@ def test_hybrid_replicas_default_to_one_per_node(world, local, replicas):
     """sharding.replicate=null: one replica per node (shard within, average across nodes); 2 on one node."""
     cfg = make("sharding=hybrid_shard")
     assert cfg.sharding.replicate is None
-    validate(cfg, world_size=world, cuda_available=False, local_world_size=local)
+    validate(cfg, world_size=world, gpus=0, local_world_size=local)
     assert mesh_shape("hybrid_shard", None, world, local) == (replicas, world // replicas)
 
 
@@ -258,7 +267,7 @@ def test_experiment_presets_define_their_own_sweep_and_run(preset):
     keys = list(cfg.hydra.sweeper.params)
     for values in itertools.product(*(str(v).split(",") for v in cfg.hydra.sweeper.params.values())):
         job = make(f"experiment={preset}", *(f"{k}={v}" for k, v in zip(keys, values)))
-        validate(job, world_size=2, cuda_available=False)
+        validate(job, world_size=2, gpus=0)
 
 
 def test_slurm_launcher_composes_one_task_per_job_with_a_gpu_per_rank():
