@@ -38,6 +38,8 @@ from torch.distributed.optim import PostLocalSGDOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from harness.dist import synchronize
+
 BUCKET_BYTES = 64 * 2**20  # cap on one flat all-reduce buffer
 
 
@@ -123,8 +125,10 @@ def average_local_shards(params, group: dist.ProcessGroup) -> tuple[float, int, 
     over every rank's shards, from the same buffers (one 2-float all-reduce).
     """
     tensors = [p.to_local() if isinstance(p, DTensor) else p for p in _flatten(params)]
+    device = tensors[0].device
+    synchronize(device)  # the clock measures the averaging alone, finished
     start, size, nbytes = time.perf_counter(), group.size(), 0
-    deviation = torch.zeros(2, dtype=torch.float64, device=tensors[0].device)  # [sum dev^2, sum mean^2]
+    deviation = torch.zeros(2, dtype=torch.float64, device=device)  # [sum dev^2, sum mean^2]
     for bucket in _buckets(tensors):
         local = torch.cat([t.reshape(-1) for t in bucket])
         mean = local.clone()
@@ -134,6 +138,7 @@ def average_local_shards(params, group: dist.ProcessGroup) -> tuple[float, int, 
         deviation[0] += local.sub_(mean).pow_(2).sum()
         deviation[1] += mean.square().sum()
         torch._foreach_copy_(bucket, [m.view_as(t) for m, t in zip(mean.split([t.numel() for t in bucket]), bucket)])
+    synchronize(device)
     elapsed = time.perf_counter() - start
     dist.all_reduce(deviation)
     return elapsed, nbytes, (deviation[0] / deviation[1].clamp_min(1e-30)).sqrt().item()

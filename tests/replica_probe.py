@@ -56,7 +56,7 @@ def main(out: str, overrides: list[str]) -> None:
         cfg = compose("config", overrides=["wandb.mode=disabled", "train.log_every=1", *overrides])
     env = init_distributed(cfg.train.device, cfg.dist.timeout_s, cfg.dist.threads_per_rank)
     job, sink, state, records = build_job(cfg, env), Rows(), TrainState(), []
-    checkpointer = Checkpointer(cfg, Path(out).parent, env.rank)  # checkpoint=none: saves nothing
+    checkpointer = Checkpointer(cfg, Path(out).parent, env.rank, env.device)  # checkpoint=none: saves nothing
     total_steps = cfg.train.steps
     for step in range(1, total_steps + 1):
         cfg.train.steps = step
