@@ -80,8 +80,9 @@ sys.path.insert(0, str(REPO))
 
 from harness.checkpoint import Checkpointer, gather_full, inner_optimizer  # noqa: E402
 from harness.config import ConfigError, register_configs, validate  # noqa: E402
+from harness.dist import visible_gpus  # noqa: E402
 from harness.dist import init_distributed, teardown  # noqa: E402
-from harness.launch import setup_logging  # noqa: E402
+from harness.launch import setup_logging, start_method  # noqa: E402
 from harness.loop import build_job, checkpoint_state  # noqa: E402
 from harness.models import build_model  # noqa: E402
 
@@ -112,7 +113,7 @@ def compose_configs(size: str, ranks: int, ckpt_root: Path) -> dict[str, dict]:
         for mode, overrides in MODES.items():
             cfg = compose("config", overrides=[*base, *overrides, f"checkpoint.dir={ckpt_root / mode}"])
             try:
-                validate(cfg, ranks, torch.cuda.is_available())
+                validate(cfg, ranks, visible_gpus())
             except ConfigError as e:
                 raise SystemExit(f"bench/checkpoint.py: the config cannot run:\n\n{e}") from None
             cfgs[mode] = OmegaConf.to_container(cfg, resolve=True)
@@ -162,7 +163,7 @@ def worker(cfgs: dict[str, dict], rounds: int, work_dir: str) -> dict | None:
         job.optimizer.step()
         job.optimizer.zero_grad(set_to_none=True)
         extra = checkpoint_state(job)
-        checkpointers = {mode: Checkpointer(OmegaConf.create(c), run_dir, env.rank)
+        checkpointers = {mode: Checkpointer(OmegaConf.create(c), run_dir, env.rank, env.device)
                          for mode, c in cfgs.items()}
 
         # The limit's payload: what full mode writes to full.pt, gathered once onto rank 0 (untimed).
@@ -382,7 +383,8 @@ def main() -> None:
                 print(f"\n== {size} ({params:,} parameters) x {ranks} ranks: {args.rounds} round(s) ==", flush=True)
                 launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=ranks, rdzv_backend="c10d",
                                       rdzv_endpoint="localhost:0", run_id=f"bench-{uuid.uuid4().hex[:8]}",
-                                      max_restarts=0, start_method="fork", monitor_interval=0.1)
+                                      max_restarts=0, monitor_interval=0.1,
+                                      start_method=start_method(OmegaConf.create(cfgs["full"])))
                 start = time.perf_counter()
                 out = elastic_launch(launch, worker)(cfgs, args.rounds, str(work))[0]
                 shutil.rmtree(work, ignore_errors=True)

@@ -41,12 +41,14 @@ sys.path.insert(0, str(REPO))
 
 from harness.checkpoint import Checkpointer  # noqa: E402
 from harness.config import ConfigError, register_configs, validate  # noqa: E402
+from harness.dist import visible_gpus  # noqa: E402
 from harness.data import build_data  # noqa: E402
 from harness.dist import init_distributed, teardown  # noqa: E402
-from harness.launch import setup_logging  # noqa: E402
+from harness.launch import setup_logging, start_method  # noqa: E402
 from harness.loop import TrainState, build_job, train  # noqa: E402
 from harness.metrics import MetricsSink  # noqa: E402
 from harness.models import build_model, materialize  # noqa: E402
+from harness.optim import clip_grad_norm_  # noqa: E402
 from harness.sharding import RESHARD_AFTER_FORWARD  # noqa: E402
 
 FSDP_STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "hybrid_shard_zero2", "no_shard")
@@ -61,7 +63,7 @@ def compose_config(args: argparse.Namespace):
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         cfg = compose("config", overrides=overrides)
     try:
-        validate(cfg, args.nproc, torch.cuda.is_available())
+        validate(cfg, args.nproc, visible_gpus())
     except ConfigError as e:
         raise SystemExit(f"bench/overhead.py: the config cannot run:\n\n{e}") from None
     if cfg.optimizer._target_ != "torch.optim.AdamW":
@@ -92,7 +94,7 @@ def minimal_steps(model, optimizer, data, steps: int, max_norm: float) -> None:
         inputs, targets = data.next_batch()
         loss = model(inputs, targets)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        clip_grad_norm_(model.parameters(), max_norm)  # the harness's: one foreach norm, one all-reduce
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -107,11 +109,11 @@ def worker(cfg_dict: dict, rounds: int, steps_per_round: int, command: str) -> N
         job = build_job(cfg, env)
         sink = MetricsSink(Path(run_dir.name), cfg.wandb, cfg_dict, enabled=False)
         train_cfg, state = cfg.train.copy(), TrainState()
-        checkpointer = Checkpointer(cfg, Path(run_dir.name), env.rank)  # checkpoint=none by default
+        checkpointer = Checkpointer(cfg, Path(run_dir.name), env.rank, env.device)  # checkpoint=none by default
 
         # (b) the minimal path, on the same mesh
         m_model, m_optimizer, m_data = build_minimal(cfg, job.mesh, env.device)
-        max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
+        max_norm = cfg.train.grad_clip
 
         def run_harness() -> None:
             train_cfg.steps = state.step + steps_per_round
@@ -193,7 +195,7 @@ def main() -> None:
     cfg = compose_config(args)
     launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=args.nproc, rdzv_backend="c10d",
                           rdzv_endpoint="localhost:0", run_id=f"bench-{uuid.uuid4().hex[:8]}", max_restarts=0,
-                          start_method="fork", monitor_interval=0.1)
+                          start_method=start_method(cfg), monitor_interval=0.1)
     command = " ".join(["python", *sys.argv])
     elastic_launch(launch, worker)(OmegaConf.to_container(cfg, resolve=True), args.rounds, args.steps_per_round,
                                    command)

@@ -4,7 +4,6 @@ process group to teardown, and `train` is the loop itself."""
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -21,10 +20,10 @@ from harness.data import TokenStream, build_data
 from harness.dist import (DistEnv, init_distributed, mean_over_ranks, node_of_each_rank, teardown,
                           true_on_every_rank)
 from harness.mesh import build_mesh, describe_replicas
-from harness.metrics import MetricsSink, memory_metrics
+from harness.metrics import MetricsSink, memory_metrics, peak_flops
 from harness.models import build_model
-from harness.optim import build_optimizer
-from harness.sharding import apply_sharding
+from harness.optim import build_optimizer, clip_grad_norm_
+from harness.sharding import apply_sharding, compile_blocks
 
 log = logging.getLogger(__name__)
 
@@ -46,18 +45,22 @@ class Job:
     data: TokenStream
     mesh: DeviceMesh
     cross_replica: CrossReplica | None  # None when there is a single replica
+    flops_per_token: float  # training FLOPs of the model per token, for train/mfu
 
 
 def build_job(cfg: DictConfig, env: DistEnv) -> Job:
     mesh = build_mesh(cfg.sharding.strategy, cfg.sharding.replicate, env.world_size, env.device.type)
     model = build_model(cfg.model, cfg.train.seq_len)
+    flops_per_token = model.flops_per_token(cfg.train.seq_len)
+    if cfg.train.compile:
+        compile_blocks(model)
     local_sgd = cfg.averager.name != "none"
     model = apply_sharding(model, mesh, cfg.sharding, env.device, cfg.train.seed, replicas_train_alone=local_sgd)
-    optimizer = build_optimizer(cfg.optimizer, model)
+    optimizer = build_optimizer(cfg.optimizer, model, env.device)
     optimizer, cross_replica = setup_cross_replica(model, optimizer, mesh, cfg.averager)
     data = build_data(cfg.data, cfg.model.vocab_size, cfg.train.batch_size, cfg.train.seq_len,
                       cfg.train.seed, env.rank, env.world_size, env.device)
-    return Job(model, optimizer, data, mesh, cross_replica)
+    return Job(model, optimizer, data, mesh, cross_replica, flops_per_token)
 
 
 def run(cfg: DictConfig, run_dir: Path) -> None:
@@ -66,7 +69,7 @@ def run(cfg: DictConfig, run_dir: Path) -> None:
     sink = None
     try:
         job = build_job(cfg, env)
-        checkpointer = Checkpointer(cfg, run_dir, env.rank)
+        checkpointer = Checkpointer(cfg, run_dir, env.rank, env.device)
         sink = MetricsSink(run_dir, cfg.wandb, OmegaConf.to_container(cfg, resolve=True), enabled=env.is_main)
         log.info("world %d, mesh %s, %s parameters, device %s", env.world_size,
                  dict(zip(job.mesh.mesh_dim_names, job.mesh.shape)),
@@ -112,6 +115,7 @@ def train(job: Job, sink: MetricsSink, cfg: DictConfig, env: DistEnv, state: Tra
     """Train until `cfg.steps` steps are done: forward, backward, step (+ averaging), log, checkpoint."""
     model, optimizer = job.model, job.optimizer
     tokens_per_step = cfg.batch_size * cfg.seq_len * env.world_size
+    peak = peak_flops(env.device, cfg.peak_tflops)
     last_time, last_step = time.perf_counter(), state.step
     while state.step < cfg.steps:
         step = state.step + 1
@@ -121,7 +125,7 @@ def train(job: Job, sink: MetricsSink, cfg: DictConfig, env: DistEnv, state: Tra
         loss.backward()
         grad_norm = None
         if cfg.grad_clip > 0 or log_step:  # the norm costs an all-reduce: only when clipping or logging
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
+            grad_norm = clip_grad_norm_(model.parameters(), cfg.grad_clip)
         finite = finite_on_every_rank(loss, grad_norm)
         if finite:
             checkpointer.wait_for_staging()  # an async save copies the parameters before they change
@@ -140,8 +144,10 @@ def train(job: Job, sink: MetricsSink, cfg: DictConfig, env: DistEnv, state: Tra
             mean_loss = mean_over_ranks(loss)  # also waits for the device, so the clock below is honest
             step_time = (time.perf_counter() - last_time) / (step - last_step)
             row.update({"train/loss": mean_loss, "train/lr": optimizer.param_groups[0]["lr"],
-                        "train/grad_norm": _scalar(grad_norm), "train/step_time_s": step_time,
+                        "train/grad_norm": grad_norm.item(), "train/step_time_s": step_time,
                         "train/tokens_per_s": tokens_per_step / step_time, **memory_metrics(env.device)})
+            if peak is not None:  # model FLOPs achieved per device over its peak
+                row["train/mfu"] = row["train/tokens_per_s"] / env.world_size * job.flops_per_token / peak
             sink.log(row, step)
             if env.is_main:
                 log.info("step %d/%d | loss %.4f | %s tok/s | %.3f s/step", step, cfg.steps, mean_loss,
@@ -160,7 +166,7 @@ def finite_on_every_rank(loss: torch.Tensor, grad_norm: torch.Tensor | None) -> 
     rank skipping alone would hang the rest."""
     finite = torch.isfinite(loss.detach()).all()
     if grad_norm is not None:
-        finite &= torch.isfinite(_local(grad_norm)).all()
+        finite &= torch.isfinite(grad_norm)
     return true_on_every_rank(finite)
 
 
@@ -174,10 +180,3 @@ def skip_nonfinite_step(policy: str, step: int) -> None:
             "resume from the last checkpoint, or train.nonfinite=skip to skip such steps.")
     log.warning("step %d: non-finite loss or gradients; skipped on every rank (train.nonfinite=skip)", step)
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _scalar(t: torch.Tensor) -> float:
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).item()

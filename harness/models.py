@@ -76,6 +76,14 @@ class TokenLM(nn.Module):
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
 
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token, torchtitan's count: 6 per weight of every
+        matmul (embedding lookups are not matmuls) plus causal attention's
+        12 * layers * d_model * seq_len."""
+        weights = sum(p.numel() for name, p in self.named_parameters() if "emb" not in name.split(".")[0])
+        attention_layers = sum(isinstance(block, GPTBlock) for block in self.blocks)
+        return 6 * weights + 12 * attention_layers * self.ln_f.normalized_shape[0] * seq_len
+
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = self.tok_emb(tokens)
         if self.pos_emb is not None:

@@ -29,10 +29,26 @@ def resolve_dtype(name: str, device: torch.device, *, low_precision_on_cuda: boo
     return getattr(torch, name)
 
 
+def compile_blocks(model: nn.Module) -> None:
+    """`torch.compile` each block's forward, as torchtitan compiles per block.
+
+    The forward, not the module: FSDP2's hooks stay outside the compiled
+    graphs, and parameter names (so checkpoints, and initial values, which are
+    seeded by name) are the same as without compiling.
+    """
+    for block in model.blocks:
+        block.forward = torch.compile(block.forward)
+
+
 def apply_sharding(model: nn.Module, mesh: DeviceMesh, cfg: DictConfig, device: torch.device, seed: int,
                    replicas_train_alone: bool = False) -> nn.Module:
     if cfg.strategy == "ddp":
         materialize(model, device, seed)
+        compute_dtype = resolve_dtype(cfg.param_dtype, device, low_precision_on_cuda=True)
+        if compute_dtype != torch.float32:
+            # DDP keeps fp32 parameters and gradients; the forward computes in
+            # `sharding.param_dtype` under autocast, as FSDP2's policy does.
+            model.forward = torch.autocast(device.type, dtype=compute_dtype)(model.forward)
         # find_unused_parameters=True is the one switch that stops DDP from
         # rebuilding its gradient buckets in gradient-ready order after the first
         # iteration. A resumed run starts on the initial buckets, so at 4+ ranks

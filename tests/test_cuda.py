@@ -1,0 +1,80 @@
+"""The GPU path on a real GPU: self-launch, consecutive async saves and resume,
+per-block compile, ddp in bf16. Skipped without CUDA (CI has none); run them on
+a GPU machine with `python -m pytest -m gpu`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import FAST, check_ok, losses, read_metrics, run_cli
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+ONE_REPLICA = ["train.device=cuda", "averager=none", "sharding=full_shard"]
+
+
+def gpus() -> int:
+    return torch.cuda.device_count()
+
+
+def test_python_train_py_starts_one_rank_per_gpu(tmp_path, cli_env):
+    """launcher.nproc=null: as many ranks as GPUs, spawned when more than one."""
+    proc = run_cli([*FAST, *ONE_REPLICA, "hydra.run.dir=run"], cli_env, tmp_path)
+    check_ok(proc)
+    assert f"world {gpus()}," in proc.stdout and "device cuda" in proc.stdout
+    if gpus() > 1:
+        assert f"starting {gpus()} local ranks (spawn;" in proc.stdout
+    rows = read_metrics(tmp_path / "run")
+    assert rows[-1]["train/loss"] < rows[0]["train/loss"]
+    assert all(r["memory/cuda_max_allocated_gb"] > 0 for r in rows if "train/loss" in r)
+
+
+def test_sweep_jobs_spawn_their_cuda_ranks(tmp_path, cli_env):
+    """Each job of `-m` starts its ranks from the sweep process, which never
+    initialises CUDA; two jobs in a row both train."""
+    proc = run_cli(["-m", *FAST, *ONE_REPLICA, "train.seed=0,1", "hydra.sweep.dir=sweep"], cli_env, tmp_path)
+    check_ok(proc)
+    assert proc.stdout.count("(spawn;") == 2
+    for job in ("0", "1"):
+        assert json.loads((tmp_path / "sweep" / job / "result.json").read_text())["status"] == "completed"
+
+
+def test_three_async_saves_on_cuda_and_resume(tmp_path, cli_env):
+    """Async sharded saves at steps 2, 4 and 6 through one stager (pinned host
+    buffers), then a resume from step 4 that follows the uninterrupted run.
+    Compared with a tolerance: CUDA's embedding backward accumulates with
+    atomics, so two uninterrupted runs differ in the last bits too."""
+    common = [*FAST, *ONE_REPLICA, "train.steps=6", "checkpoint=sharded", "checkpoint.async=true",
+              "checkpoint.interval=2", "checkpoint.keep=3"]
+    a = tmp_path / "a"
+    check_ok(run_cli([*common, f"hydra.run.dir={a}"], cli_env, tmp_path))
+    assert sorted(p.name for p in (a / "checkpoints").iterdir()) == ["step_2", "step_4", "step_6"]
+    b = tmp_path / "b"
+    check_ok(run_cli([*common, f"checkpoint.resume={a / 'checkpoints' / 'step_4'}",
+                      f"checkpoint.dir={b / 'checkpoints'}", f"hydra.run.dir={b}"], cli_env, tmp_path))
+    assert losses(b)[-2:] == pytest.approx(losses(a)[-2:], rel=1e-3)
+
+
+def test_compiled_blocks_train_and_report_mfu(tmp_path, cli_env):
+    proc = run_cli([*FAST, *ONE_REPLICA, "model=gpt", "train.compile=true", "hydra.run.dir=run"], cli_env, tmp_path,
+                   timeout=600)
+    check_ok(proc)
+    rows = [r for r in read_metrics(tmp_path / "run") if "train/loss" in r]
+    assert rows[-1]["train/loss"] < rows[0]["train/loss"]
+    if any(name in torch.cuda.get_device_name() for name in ("H100", "H200", "A100")):
+        assert 0 < rows[-1]["train/mfu"] < 1
+
+
+def test_ddp_trains_in_bf16_on_cuda(tmp_path, cli_env):
+    """sharding=ddp autocasts to bf16 by default on CUDA (sharding.param_dtype=auto)."""
+    runs = {}
+    for dtype in ("auto", "float32"):
+        check_ok(run_cli([*FAST, "train.device=cuda", "sharding=ddp", "averager=none", "launcher.nproc=1",
+                          f"sharding.param_dtype={dtype}", f"hydra.run.dir={dtype}"], cli_env, tmp_path))
+        runs[dtype] = losses(tmp_path / dtype)
+    assert runs["auto"] != runs["float32"]
+    assert runs["auto"] == pytest.approx(runs["float32"], rel=2e-2)
