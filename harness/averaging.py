@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
@@ -35,10 +36,9 @@ from torch.distributed.algorithms.model_averaging.averagers import ModelAverager
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.optim import PostLocalSGDOptimizer
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from harness.dist import synchronize
+from harness.dist import local_view, synchronize
 
 BUCKET_BYTES = 64 * 2**20  # cap on one flat all-reduce buffer
 
@@ -61,8 +61,11 @@ class CrossReplicaTraffic:
     def step_metrics(self, averager_step: int | None) -> dict:
         """This step's figures, then reset for the next step."""
         self.total_bytes += self.grad_sync_bytes + self.averaging_bytes
-        row = {"comm/grad_sync_bytes": self.grad_sync_bytes, "comm/averaging_bytes": self.averaging_bytes,
-               "comm/cross_replica_bytes_total": self.total_bytes}
+        row = {
+            "comm/grad_sync_bytes": self.grad_sync_bytes,
+            "comm/averaging_bytes": self.averaging_bytes,
+            "comm/cross_replica_bytes_total": self.total_bytes,
+        }
         if averager_step is not None:
             row.update({"averager/averaged": int(self.averaged), "averager/step": averager_step})
             if self.averaged:
@@ -85,10 +88,22 @@ class ReplicaAverager(ModelAverager):
     tensors (DDP) too, so both paths report the same drift and bytes.
     """
 
-    def __init__(self, period: int, warmup_steps: int, process_group: dist.ProcessGroup,
-                 traffic: CrossReplicaTraffic):
-        super().__init__(process_group)
+    def __init__(self, period: int, warmup_steps: int, mesh: DeviceMesh, traffic: CrossReplicaTraffic):
+        super().__init__(mesh.get_group("replicate"))
         self.period, self.warmup_steps, self.traffic = period, warmup_steps, traffic
+
+    @staticmethod
+    def config_errors(cfg: DictConfig, replicas: int) -> list[str]:
+        """Why `cfg` (= cfg.averager) cannot run on `replicas` replicas; checked by `validate`."""
+        errors = (
+            []
+            if cfg.period >= 1
+            else [
+                f"averager.period={cfg.period} is out of range: it must be >= 1. Fix: averager.period=4 averages "
+                "every 4 steps."
+            ]
+        )
+        return errors + _warmup_errors(cfg)
 
     def group_to_average(self) -> dist.ProcessGroup | None:
         due = self.step >= self.warmup_steps and (self.step - self.warmup_steps) % self.period == 0
@@ -106,14 +121,51 @@ class HierarchicalReplicaAverager(ReplicaAverager):
     """`HierarchicalModelAverager`'s schedule: at a step past warmup, the largest
     period dividing the step picks the group size to average within."""
 
-    def __init__(self, period_groups: dict[int, dist.ProcessGroup], warmup_steps: int, traffic: CrossReplicaTraffic):
-        super().__init__(max(period_groups), warmup_steps, period_groups[max(period_groups)], traffic)
-        self.period_groups = period_groups
+    def __init__(
+        self, period_group_size: list[list[int]], warmup_steps: int, mesh: DeviceMesh, traffic: CrossReplicaTraffic
+    ):
+        super().__init__(max(p for p, _ in period_group_size), warmup_steps, mesh, traffic)
+        self.period_groups = {int(p): replica_subgroups(mesh, int(g)) for p, g in period_group_size}
+
+    @staticmethod
+    def config_errors(cfg: DictConfig, replicas: int) -> list[str]:
+        pairs = [list(pair) for pair in cfg.period_group_size]
+        key = f"averager.period_group_size={pairs}".replace(" ", "")
+        example = (
+            f"averager.period_group_size=[[2,2],[8,{replicas}]]"
+            if replicas > 2
+            else "averager.period_group_size=[[4,2]]"
+        )
+        if not pairs or any(len(pair) != 2 for pair in pairs):
+            return [f"{key} must be a non-empty list of [period, group_size] pairs. Fix: e.g. {example}."]
+        periods, sizes = [p for p, _ in pairs], [g for _, g in pairs]
+        problems = []
+        if any(p < 1 for p in periods) or periods != sorted(set(periods)):
+            problems.append("periods (the first numbers) must be >= 1 and strictly increasing")
+        if any(g < 1 or replicas % g for g in sizes):
+            problems.append(f"every group size must divide the replica count {replicas}")
+        elif any(b % a for a, b in zip(sizes, sizes[1:])):
+            problems.append("each group size must divide the next (groups nest)")
+        if sizes and sizes[-1] != replicas:
+            problems.append(f"the largest period must average all {replicas} replicas (last group size = {replicas})")
+        errors = [f"{key} is not a valid hierarchy: {'; '.join(problems)}. Fix: e.g. {example}."] if problems else []
+        return errors + _warmup_errors(cfg)
 
     def group_to_average(self) -> dist.ProcessGroup | None:
         if self.step < self.warmup_steps:
             return None
-        return next((self.period_groups[p] for p in sorted(self.period_groups, reverse=True) if self.step % p == 0), None)
+        return next(
+            (self.period_groups[p] for p in sorted(self.period_groups, reverse=True) if self.step % p == 0), None
+        )
+
+
+def _warmup_errors(cfg: DictConfig) -> list[str]:
+    if cfg.warmup_steps >= 0:
+        return []
+    return [
+        f"averager.warmup_steps={cfg.warmup_steps} is out of range: it must be >= 0. "
+        "Fix: averager.warmup_steps=0 starts local SGD at once."
+    ]
 
 
 @torch.no_grad()
@@ -124,7 +176,7 @@ def average_local_shards(params, group: dist.ProcessGroup) -> tuple[float, int, 
     had drifted apart just before: sqrt(sum ||x_r - mean||^2 / sum ||mean||^2)
     over every rank's shards, from the same buffers (one 2-float all-reduce).
     """
-    tensors = [p.to_local() if isinstance(p, DTensor) else p for p in _flatten(params)]
+    tensors = [local_view(p) for p in _flatten(params)]
     device = tensors[0].device
     synchronize(device)  # the clock measures the averaging alone, finished
     start, size, nbytes = time.perf_counter(), group.size(), 0
@@ -169,32 +221,32 @@ def replica_subgroups(mesh: DeviceMesh, group_size: int) -> dist.ProcessGroup:
     ranks = mesh.mesh  # [replicate, shard] tensor of global ranks
     if group_size == ranks.shape[0]:
         return mesh.get_group("replicate")
-    groups = [ranks[first:first + group_size, shard].tolist()
-              for shard in range(ranks.shape[1]) for first in range(0, ranks.shape[0], group_size)]
+    groups = [
+        ranks[first : first + group_size, shard].tolist()
+        for shard in range(ranks.shape[1])
+        for first in range(0, ranks.shape[0], group_size)
+    ]
     mine, _ = dist.new_subgroups_by_enumeration(groups)
     return mine
 
 
-def setup_cross_replica(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mesh: DeviceMesh,
-                        cfg: DictConfig) -> tuple[torch.optim.Optimizer, "CrossReplica | None"]:
+def setup_cross_replica(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, mesh: DeviceMesh, cfg: DictConfig
+) -> tuple[torch.optim.Optimizer, CrossReplica | None]:
     """Wire gradient sync and parameter averaging across replicas for `cfg` (= cfg.averager).
 
     Returns the optimizer to step (PostLocalSGDOptimizer when averaging) and
     the object that reports this step's cross-replica figures, or None when
     the layout has a single replica (nothing crosses replicas).
     """
-    replicate_group = mesh.get_group("replicate")
-    if replicate_group.size() < 2:
+    if mesh["replicate"].size() < 2:
         return optimizer, None
     traffic = CrossReplicaTraffic()
-    if cfg.name == "none":
+    if cfg.get("_target_") is None:  # averager=none: synchronous
         _count_synchronous_gradients(model, traffic)
         return optimizer, CrossReplica(traffic, None)
-    if cfg.name == "periodic":
-        averager = ReplicaAverager(cfg.period, cfg.warmup_steps, replicate_group, traffic)
-    else:
-        groups = {int(p): replica_subgroups(mesh, int(g)) for p, g in cfg.period_group_size}
-        averager = HierarchicalReplicaAverager(groups, cfg.warmup_steps, traffic)
+    # partial first: instantiate would merge (and copy) keyword objects into the config
+    averager = instantiate(cfg, _partial_=True)(mesh=mesh, traffic=traffic)
     ddp_state = _sync_gradients_during_warmup(model, mesh, averager, traffic)
     return PostLocalSGDOptimizer(optim=optimizer, averager=averager), CrossReplica(traffic, averager, ddp_state)
 
@@ -209,25 +261,29 @@ class CrossReplica:
         return self.traffic.step_metrics(self.averager.step if self.averager is not None else None)
 
     def state_dict(self) -> dict:
-        return {"averager_step": self.averager.step if self.averager is not None else None,
-                "cross_replica_bytes_total": self.traffic.total_bytes}
+        return {
+            "averager_step": self.averager.step if self.averager is not None else None,
+            "cross_replica_bytes_total": self.traffic.total_bytes,
+        }
 
-    def load_state_dict(self, state: dict, step: int) -> None:
-        """Restore the counters; `step` (the global step) stands in for an averager
-        step the checkpoint does not have (saved without an averager)."""
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the counters; the checkpoint's global `step` stands in for an
+        averager step it does not have (saved without an averager)."""
         self.traffic.total_bytes = state.get("cross_replica_bytes_total", 0)
         if self.averager is not None:
-            self.averager.step = state.get("averager_step") or step
+            self.averager.step = state.get("averager_step") or state["step"]
             if self.ddp_state is not None:
                 self.ddp_state.iter = self.averager.step
 
 
-def _sync_gradients_during_warmup(model: torch.nn.Module, mesh: DeviceMesh, averager: ReplicaAverager,
-                                  traffic: CrossReplicaTraffic) -> PostLocalSGDState | None:
+def _sync_gradients_during_warmup(
+    model: torch.nn.Module, mesh: DeviceMesh, averager: ReplicaAverager, traffic: CrossReplicaTraffic
+) -> PostLocalSGDState | None:
     replicate_group = mesh.get_group("replicate")
     if isinstance(model, DistributedDataParallel):
-        state = PostLocalSGDState(process_group=replicate_group, subgroup=mesh.get_group("shard"),
-                                  start_localSGD_iter=averager.warmup_steps)
+        state = PostLocalSGDState(
+            process_group=replicate_group, subgroup=mesh.get_group("shard"), start_localSGD_iter=averager.warmup_steps
+        )
 
         def ddp_hook(state, bucket):  # unannotated: DDP rejects string annotations (__future__)
             if state.iter < state.start_localSGD_iter:
@@ -252,6 +308,7 @@ def _sync_gradients_during_warmup(model: torch.nn.Module, mesh: DeviceMesh, aver
 def _count_synchronous_gradients(model: torch.nn.Module, traffic: CrossReplicaTraffic) -> None:
     """Synchronous multi-replica training: count the gradient all-reduce it already does."""
     if isinstance(model, DistributedDataParallel):
+
         def ddp_hook(group, bucket):  # unannotated: DDP rejects string annotations (__future__)
             traffic.add_grad(bucket.buffer())
             return default_hooks.allreduce_hook(group, bucket)

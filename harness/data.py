@@ -8,6 +8,13 @@ The position is that one global count (`TokenStream.samples`), saved by the
 checkpoint code through `state_dict()`; because it does not depend on the
 world size, a run resumed on another layout continues with the next unread
 sample - none skipped, none read twice.
+
+A data source is a class named by `data._target_`, built from its config keys
+plus `vocab_size` and `seed`, with `samples(first, count, length)`. Its
+constructor refuses bad arguments with a ValueError naming the key and the fix
+(`validate` builds it to ask, so it must be cheap); a source that reads files
+checks them in `preflight_errors()` and loads them in `open()`, which every
+rank calls together.
 """
 
 from __future__ import annotations
@@ -22,7 +29,10 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from hydra.utils import instantiate
 from omegaconf import DictConfig
+
+from harness.rng import seeded_generator
 
 log = logging.getLogger(__name__)
 
@@ -33,14 +43,16 @@ class SyntheticTokens:
     """A noisy deterministic walk: the next token is perm[token] with prob 1-noise,
     else uniform. Loss can fall from ln(V) towards the noise entropy."""
 
-    def __init__(self, vocab_size: int, noise: float, seed: int):
+    def __init__(self, noise: float, vocab_size: int, seed: int):
+        if not 0.0 <= noise < 1.0:
+            raise ValueError(f"data.noise={noise} must be in [0, 1). Fix: data.noise=0.1.")
         self.vocab_size, self.noise, self.seed = vocab_size, noise, seed
         self.next_token = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(_LANGUAGE_SEED))
 
     def samples(self, first: int, count: int, length: int) -> torch.Tensor:
         starts, breaks, random_tokens = [], [], []
         for index in range(first, first + count):
-            g = torch.Generator().manual_seed((self.seed * 1_000_003 + index) % 2**63)
+            g = seeded_generator(self.seed, index)
             starts.append(torch.randint(self.vocab_size, (1,), generator=g))
             breaks.append(torch.rand(length, generator=g) < self.noise)
             random_tokens.append(torch.randint(self.vocab_size, (length,), generator=g))
@@ -53,25 +65,82 @@ class SyntheticTokens:
 
 
 class TextTokens:
-    """Non-overlapping windows of a byte array, visited in a seeded random order per epoch."""
+    """Byte-level text from local files (the standard library's sources by default):
+    non-overlapping windows, visited in a seeded random order per epoch."""
 
-    def __init__(self, tokens: np.ndarray, seed: int):
-        self.tokens, self.seed = tokens, seed
+    def __init__(self, root: str | None, glob: str, max_bytes: int, cache_dir: str, vocab_size: int, seed: int):
+        if vocab_size < 256:
+            raise ValueError(
+                f"model.vocab_size={vocab_size} is too small for data=text, which is byte-level "
+                "(256 symbols). Fix: model.vocab_size=256."
+            )
+        self.root, self.glob, self.max_bytes, self.cache_dir, self.seed = root, glob, max_bytes, cache_dir, seed
+        self.tokens: np.ndarray | None = None
         self._epoch, self._order = -1, None
+
+    def preflight_errors(self) -> list[str]:
+        if self.root is not None and not os.path.isdir(os.path.expanduser(self.root)):
+            return [
+                f"data.root={self.root!r} is not a directory. Fix: point data.root at a folder of "
+                "text files, or data.root=null for the Python standard library's sources."
+            ]
+        if not self.files():
+            return [
+                f"data.glob={self.glob!r} matches no file under data.root={self.root!r}. "
+                "Fix: check the pattern ('**' recurses), e.g. data.glob='**/*.py'."
+            ]
+        return []
+
+    def files(self) -> list[str]:
+        root = text_root(self.root)
+        files = (p for p in globlib.iglob(os.path.join(root, self.glob), recursive=True) if os.path.isfile(p))
+        if self.root is None:  # the stdlib folder also holds installed packages; keep the stdlib alone
+            files = (p for p in files if "site-packages" not in p and "dist-packages" not in p)
+        return sorted(files)
+
+    def open(self) -> None:
+        """Map the corpus, built once per machine and cached (collective).
+
+        The cache name hashes the file list, sizes and mtimes, so edited files
+        rebuild it. Local rank 0 writes it (to a temp name, then an atomic
+        rename); the other ranks wait at a barrier and map the finished file.
+        """
+        files = self.files()
+        key = hashlib.sha1(
+            repr([self.max_bytes] + [(p, os.path.getsize(p), os.path.getmtime(p)) for p in files]).encode()
+        ).hexdigest()[:16]
+        path = Path(os.path.expanduser(self.cache_dir)) / f"text-{key}.u8"
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0 and not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            written = 0
+            with open(tmp, "wb") as out:
+                for p in files:
+                    if written >= self.max_bytes:
+                        break
+                    data = Path(p).read_bytes()[: self.max_bytes - written]
+                    out.write(data)
+                    written += len(data)
+            os.replace(tmp, path)
+            log.info("cached %d bytes from %d files under %s at %s", written, len(files), text_root(self.root), path)
+        if dist.is_initialized():
+            dist.barrier()
+        self.tokens = np.memmap(path, dtype=np.uint8, mode="r")
 
     def samples(self, first: int, count: int, length: int) -> torch.Tensor:
         windows = (len(self.tokens) - 1) // length
         if windows < 1:
-            raise ValueError(f"the text corpus holds {len(self.tokens)} bytes, fewer than one window of "
-                             f"train.seq_len+1={length} bytes; lower train.seq_len or add files")
+            raise ValueError(
+                f"the text corpus holds {len(self.tokens)} bytes, fewer than one window of "
+                f"train.seq_len+1={length} bytes; lower train.seq_len or add files"
+            )
         rows = []
         for index in range(first, first + count):
             epoch, i = divmod(index, windows)
             if epoch != self._epoch:
-                g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-                self._epoch, self._order = epoch, torch.randperm(windows, generator=g)
+                self._epoch, self._order = epoch, torch.randperm(windows, generator=seeded_generator(self.seed, epoch))
             start = int(self._order[i]) * length
-            rows.append(torch.from_numpy(self.tokens[start:start + length].astype(np.int64)))
+            rows.append(torch.from_numpy(self.tokens[start : start + length].astype(np.int64)))
         return torch.stack(rows)
 
 
@@ -96,54 +165,22 @@ class TokenStream:
         self.samples = int(state["samples"])
 
 
-def build_data(cfg: DictConfig, vocab_size: int, batch_size: int, seq_len: int, seed: int,
-               rank: int, world_size: int, device: torch.device) -> TokenStream:
-    if cfg.name == "synthetic":
-        source = SyntheticTokens(vocab_size, cfg.noise, seed)
-    elif cfg.name == "text":
-        source = TextTokens(load_text_corpus(cfg), seed)
-    else:
-        raise ValueError(f"data.name={cfg.name!r} is not a known data source (synthetic, text)")
+def build_data(
+    cfg: DictConfig,
+    vocab_size: int,
+    batch_size: int,
+    seq_len: int,
+    seed: int,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+) -> TokenStream:
+    source = instantiate(cfg, _partial_=True)(vocab_size=vocab_size, seed=seed)
+    if hasattr(source, "open"):
+        source.open()
     return TokenStream(source, batch_size, seq_len, rank, world_size, device)
 
 
 def text_root(root: str | None) -> str:
     """`data.root`, or the standard library's sources (present on every machine) when null."""
     return os.path.expanduser(root) if root is not None else sysconfig.get_paths()["stdlib"]
-
-
-def text_files(cfg: DictConfig) -> list[str]:
-    root = text_root(cfg.root)
-    files = (p for p in globlib.iglob(os.path.join(root, cfg.glob), recursive=True) if os.path.isfile(p))
-    if cfg.root is None:  # the stdlib folder also holds installed packages; keep the stdlib alone
-        files = (p for p in files if "site-packages" not in p and "dist-packages" not in p)
-    return sorted(files)
-
-
-def load_text_corpus(cfg: DictConfig) -> np.ndarray:
-    """The corpus as a memory-mapped uint8 array, built once per machine and cached.
-
-    The cache name hashes the file list, sizes and mtimes, so edited files
-    rebuild it. Local rank 0 writes it (to a temp name, then an atomic rename);
-    the other ranks wait at a barrier and map the finished file.
-    """
-    files = text_files(cfg)
-    key = hashlib.sha1(repr([cfg.max_bytes] + [(p, os.path.getsize(p), os.path.getmtime(p)) for p in files])
-                       .encode()).hexdigest()[:16]
-    path = Path(os.path.expanduser(cfg.cache_dir)) / f"text-{key}.u8"
-    if int(os.environ.get("LOCAL_RANK", 0)) == 0 and not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        written = 0
-        with open(tmp, "wb") as out:
-            for p in files:
-                if written >= cfg.max_bytes:
-                    break
-                data = Path(p).read_bytes()[: cfg.max_bytes - written]
-                out.write(data)
-                written += len(data)
-        os.replace(tmp, path)
-        log.info("cached %d bytes from %d files under %s at %s", written, len(files), text_root(cfg.root), path)
-    if dist.is_initialized():
-        dist.barrier()
-    return np.memmap(path, dtype=np.uint8, mode="r")

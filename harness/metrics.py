@@ -14,21 +14,23 @@ import logging
 import os
 import resource
 from pathlib import Path
-from typing import Any
 
 import torch
 from omegaconf import OmegaConf
+
+from harness.config import WandbConf
 
 log = logging.getLogger(__name__)
 
 
 class MetricsSink:
-    def __init__(self, run_dir: Path, wandb_cfg: Any, config: dict, enabled: bool):
+    def __init__(self, run_dir: Path, settings: WandbConf, config: dict, enabled: bool):
+        """`config`: the resolved run config as plain values (W&B's run config)."""
         self.rows = open(run_dir / "metrics.jsonl", "a", encoding="utf-8") if enabled else None
         overrides = run_dir / ".hydra" / "overrides.yaml"
         if enabled and overrides.exists():  # the command line's overrides, to filter runs by in W&B's table
             config = {**config, "overrides": OmegaConf.to_container(OmegaConf.load(overrides))}
-        self.wandb_run = _start_wandb(run_dir, wandb_cfg, config) if enabled else None
+        self.wandb_run = _start_wandb(run_dir, settings, config) if enabled else None
 
     def log(self, row: dict[str, float], step: int) -> None:
         """One row for `step`; steps must increase (W&B drops lower ones)."""
@@ -77,20 +79,33 @@ def _step_of(line: str) -> float:
         return float("inf")
 
 
-def _start_wandb(run_dir: Path, cfg: Any, config: dict):
+def _start_wandb(run_dir: Path, settings: WandbConf, config: dict):
     import wandb
 
-    requested = os.environ.get("WANDB_MODE") or cfg.mode
+    requested = os.environ.get("WANDB_MODE") or str(settings.mode)
     for mode in dict.fromkeys([requested, "offline"]):  # requested first, then the offline fallback
         if mode == "disabled":
             return None
         try:
-            run = wandb.init(mode=mode, dir=str(run_dir), project=cfg.project, entity=cfg.entity,
-                             group=cfg.group, name=cfg.name, tags=list(cfg.tags), config=config,
-                             settings=wandb.Settings(silent=True, console="off", init_timeout=cfg.init_timeout_s))
+            run = wandb.init(
+                mode=mode,
+                dir=str(run_dir),
+                project=settings.project,
+                entity=settings.entity,
+                group=settings.group,
+                name=settings.name,
+                tags=list(settings.tags),
+                config=config,
+                settings=wandb.Settings(silent=True, console="off", init_timeout=settings.init_timeout_s),
+            )
         except Exception as e:  # wandb raises many types (UsageError, CommError, OSError, ...)
-            log.warning("W&B mode=%s failed (%s: %s); %s", mode, type(e).__name__, str(e).splitlines()[0] if str(e) else "",
-                        "falling back to offline" if mode != "offline" else "continuing without W&B")
+            log.warning(
+                "W&B mode=%s failed (%s: %s); %s",
+                mode,
+                type(e).__name__,
+                str(e).splitlines()[0] if str(e) else "",
+                "falling back to offline" if mode != "offline" else "continuing without W&B",
+            )
             continue
         run.define_metric("train/step")
         run.define_metric("*", step_metric="train/step")
@@ -101,8 +116,21 @@ def _start_wandb(run_dir: Path, cfg: Any, config: dict):
 
 # Peak dense bf16 FLOP/s of one device (vendor datasheets, as torchtitan's
 # get_peak_flops), matched by substring of the CUDA device name, first match wins.
-PEAK_TFLOPS = {"H100 NVL": 835.0, "H100 PCIe": 756.0, "H100": 989.0, "H200": 989.0, "H800": 989.0, "B200": 2250.0,
-               "A100": 312.0, "A800": 312.0, "L40S": 362.0, "L40": 181.0, "L4": 121.0, "A10G": 70.0, "A10": 125.0}
+PEAK_TFLOPS = {
+    "H100 NVL": 835.0,
+    "H100 PCIe": 756.0,
+    "H100": 989.0,
+    "H200": 989.0,
+    "H800": 989.0,
+    "B200": 2250.0,
+    "A100": 312.0,
+    "A800": 312.0,
+    "L40S": 362.0,
+    "L40": 181.0,
+    "L4": 121.0,
+    "A10G": 70.0,
+    "A10": 125.0,
+}
 
 
 @functools.cache  # the loop asks once per `train` call; an unknown GPU is reported once
@@ -116,8 +144,10 @@ def peak_flops(device: torch.device, configured_tflops: float | None) -> float |
     name = torch.cuda.get_device_name(device)
     tflops = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
     if tflops is None:
-        log.warning("no peak FLOP/s known for %r: train/mfu is not logged. Fix: train.peak_tflops=<its dense bf16 "
-                    "TFLOP/s>", name)
+        log.warning(
+            "no peak FLOP/s known for %r: train/mfu is not logged. Fix: train.peak_tflops=<its dense bf16 TFLOP/s>",
+            name,
+        )
     return tflops * 1e12 if tflops is not None else None
 
 

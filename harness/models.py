@@ -1,9 +1,14 @@
 """Models: a small GPT-style decoder LM and a tiny token MLP for fast tests.
 
-Both are built on the meta device (no memory, no init) and get their values
-from `materialize` after sharding, so every rank - and a single-process
-reference - holds the same weights whatever the layout. Both expose their
-repeated layers as `blocks`, the unit FSDP wraps, and return the LM loss.
+A model is an `nn.Module` class named by `model._target_` and built by
+`build_model` from its config keys plus `seq_len`, on the meta device (no
+memory, no init); `materialize` gives it values after sharding, so every rank
+- and a single-process reference - holds the same weights whatever the
+layout. A model exposes its repeated layers as `blocks` (the unit FSDP wraps
+and `train.compile` compiles), returns the LM loss from `forward(tokens,
+targets)` and counts its `flops_per_token`. Its constructor refuses bad
+arguments with a ValueError naming the key and the fix; `validate` builds it
+on the meta device to ask.
 """
 
 from __future__ import annotations
@@ -14,8 +19,11 @@ import zlib
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch.distributed.tensor import DTensor, distribute_tensor
+
+from harness.rng import seeded_generator
 
 
 class CausalSelfAttention(nn.Module):
@@ -94,16 +102,41 @@ class TokenLM(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
+class GPT(TokenLM):
+    """Pre-norm GPT decoder: learned positions, causal attention, 4x MLP."""
+
+    def __init__(self, n_layer: int, n_head: int, d_model: int, vocab_size: int, seq_len: int):
+        require_positive(n_layer=n_layer, n_head=n_head, d_model=d_model, vocab_size=vocab_size)
+        if d_model % n_head:
+            near = min((d for d in range(1, d_model + 1) if d_model % d == 0), key=lambda d: (abs(d - n_head), -d))
+            raise ValueError(
+                f"model.d_model={d_model} is not divisible by model.n_head={n_head}. "
+                f"Fix: pick n_head dividing d_model, e.g. model.n_head={near}."
+            )
+        super().__init__(vocab_size, d_model, [GPTBlock(d_model, n_head) for _ in range(n_layer)], seq_len)
+
+
+class TokenMLP(TokenLM):
+    """Residual MLP blocks over token embeddings (no attention, no positions): the fast test model."""
+
+    def __init__(self, n_layer: int, d_model: int, hidden: int, vocab_size: int, seq_len: int | None = None):
+        require_positive(n_layer=n_layer, d_model=d_model, hidden=hidden, vocab_size=vocab_size)
+        super().__init__(vocab_size, d_model, [MLPBlock(d_model, hidden) for _ in range(n_layer)], seq_len=None)
+
+
+def require_positive(**values: int) -> None:
+    bad = [f"model.{k}={v}" for k, v in values.items() if v is None or v < 1]
+    if bad:
+        raise ValueError(
+            f"{', '.join(bad)} out of range: must be >= 1. "
+            f"Fix: set {', '.join(b.split('=')[0] for b in bad)} to a positive integer."
+        )
+
+
 def build_model(cfg: DictConfig, seq_len: int) -> TokenLM:
-    """The model named by `cfg.name`, on the meta device."""
+    """The model `cfg._target_` names, on the meta device."""
     with torch.device("meta"):
-        if cfg.name == "gpt":
-            blocks = [GPTBlock(cfg.d_model, cfg.n_head) for _ in range(cfg.n_layer)]
-            return TokenLM(cfg.vocab_size, cfg.d_model, blocks, seq_len)
-        if cfg.name == "mlp":
-            blocks = [MLPBlock(cfg.d_model, cfg.hidden) for _ in range(cfg.n_layer)]
-            return TokenLM(cfg.vocab_size, cfg.d_model, blocks, seq_len=None)
-    raise ValueError(f"model.name={cfg.name!r} is not a known model (gpt, mlp)")
+        return instantiate(cfg, _partial_=True)(seq_len=seq_len)
 
 
 @torch.no_grad()
@@ -134,5 +167,4 @@ def _initial_value(module: nn.Module, name: str, fqn: str, shape: tuple, seed: i
     if name == "bias":
         return torch.zeros(shape)
     std = 0.02 / math.sqrt(2 * n_layer) if fqn.endswith("out_proj.weight") else 0.02
-    generator = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(fqn.encode())) % 2**63)
-    return torch.randn(shape, generator=generator) * std
+    return torch.randn(shape, generator=seeded_generator(seed, zlib.crc32(fqn.encode()))) * std

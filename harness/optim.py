@@ -12,6 +12,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch.distributed.tensor import DTensor
 
+from harness.dist import local_view
+
 
 def build_optimizer(cfg: DictConfig, model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
     """`optimizer.fused: null` picks the fused kernels on CUDA (one launch for all
@@ -34,7 +36,7 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     gradients are sharded on (none for DDP's plain tensors), one foreach scale.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
-    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    local = [local_view(g) for g in grads]
     norms = torch._foreach_norm(local, 2.0)
     total = torch.stack([n.float() for n in norms]).square().sum()
     if isinstance(grads[0], DTensor):

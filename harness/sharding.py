@@ -11,15 +11,20 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from omegaconf import DictConfig
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from harness.config import ShardingConf
 from harness.models import materialize
 
-RESHARD_AFTER_FORWARD = {"full_shard": True, "hybrid_shard": True,
-                         "shard_grad_op": False, "hybrid_shard_zero2": False, "no_shard": False}
+RESHARD_AFTER_FORWARD = {
+    "full_shard": True,
+    "hybrid_shard": True,
+    "shard_grad_op": False,
+    "hybrid_shard_zero2": False,
+    "no_shard": False,
+}
 
 
 def resolve_dtype(name: str, device: torch.device, *, low_precision_on_cuda: bool) -> torch.dtype:
@@ -40,8 +45,14 @@ def compile_blocks(model: nn.Module) -> None:
         block.forward = torch.compile(block.forward)
 
 
-def apply_sharding(model: nn.Module, mesh: DeviceMesh, cfg: DictConfig, device: torch.device, seed: int,
-                   replicas_train_alone: bool = False) -> nn.Module:
+def apply_sharding(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    cfg: ShardingConf,
+    device: torch.device,
+    seed: int,
+    replicas_train_alone: bool = False,
+) -> nn.Module:
     if cfg.strategy == "ddp":
         materialize(model, device, seed)
         compute_dtype = resolve_dtype(cfg.param_dtype, device, low_precision_on_cuda=True)
@@ -55,11 +66,14 @@ def apply_sharding(model: nn.Module, mesh: DeviceMesh, cfg: DictConfig, device: 
         # each gradient would land in another ring-all-reduce chunk, be summed in
         # another order, and differ by ~1 ulp from an uninterrupted run. The cost
         # is one autograd-graph traversal per step.
-        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                       find_unused_parameters=True)
+        return DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=True
+        )
     fsdp_mesh = mesh if mesh["replicate"].size() > 1 and not replicas_train_alone else mesh["shard"]
-    policy = MixedPrecisionPolicy(param_dtype=resolve_dtype(cfg.param_dtype, device, low_precision_on_cuda=True),
-                                  reduce_dtype=resolve_dtype(cfg.reduce_dtype, device, low_precision_on_cuda=False))
+    policy = MixedPrecisionPolicy(
+        param_dtype=resolve_dtype(cfg.param_dtype, device, low_precision_on_cuda=True),
+        reduce_dtype=resolve_dtype(cfg.reduce_dtype, device, low_precision_on_cuda=False),
+    )
     reshard = RESHARD_AFTER_FORWARD[cfg.strategy]
     for block in model.blocks:
         fully_shard(block, mesh=fsdp_mesh, reshard_after_forward=reshard, mp_policy=policy)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import FAST, TRAIN, run_cli
+from support import FAST, TRAIN, run_cli
 
 MODEL = {"name": "gpt", "n_layer": 4, "n_head": 4, "d_model": 128, "vocab_size": 256}  # conf/model/gpt.yaml
 BASE = [o for o in FAST if not o.startswith("model=")]  # the default model: gpt
@@ -20,8 +20,9 @@ BASE = [o for o in FAST if not o.startswith("model=")]  # the default model: gpt
 
 def fake_checkpoint(step_dir: Path, **model) -> Path:
     step_dir.mkdir(parents=True)
-    (step_dir / "meta.json").write_text(json.dumps({"step": 5, "model": {**MODEL, **model},
-                                                    "optimizer": "torch.optim.AdamW"}))
+    (step_dir / "meta.json").write_text(
+        json.dumps({"step": 5, "model": {**MODEL, **model}, "optimizer": "torch.optim.AdamW"})
+    )
     return step_dir
 
 
@@ -43,25 +44,40 @@ CASES = [
     ("negative lr", ["optimizer.lr=-0.1"], ["optimizer.lr=-0.1", "Fix:"]),
     ("zero lr", ["optimizer.lr=0"], ["optimizer.lr=0", "Fix:"]),
     ("not an optimizer argument", ["optimizer=sgd", "+optimizer.momentm=0.9"], ["optimizer.momentm", "Fix:"]),
-    ("replicate not dividing world", ["launcher.nproc=4", "sharding.replicate=3"],
-     ["sharding.replicate=3 does not divide the world size 4", "Fix:"]),
-    ("averaging with one replica", ["sharding=full_shard"], ["averager=periodic", "1 replica", "Fix:"]),
+    (
+        "replicate not dividing world",
+        ["launcher.nproc=4", "sharding.replicate=3"],
+        ["sharding.replicate=3 does not divide the world size 4", "Fix:"],
+    ),
+    ("averaging with one replica", ["sharding=full_shard"], ["averages parameters across", "1 replica", "Fix:"]),
     ("too many ranks", ["launcher.nproc=1000"], ["launcher.nproc=1000", "Fix:"]),
     ("heads not dividing width", ["model.n_head=3"], ["model.d_model=128 is not divisible by model.n_head=3", "Fix:"]),
     ("cuda without cuda", ["train.device=cuda"], ["train.device=cuda", "Fix:"]),
     ("async full checkpoint", ["checkpoint=full", "checkpoint.async=true"], ["needs checkpoint=sharded", "Fix:"]),
-    ("unknown nonfinite policy", ["train.nonfinite=sometimes"], ["train.nonfinite='sometimes'", "Fix:"]),
-    ("text glob matches nothing", ["data=text", "data.root={tmp}", "data.glob=*.nothing"],
-     ["data.glob='*.nothing' matches no file", "Fix:"]),
+    ("unknown nonfinite policy", ["train.nonfinite=sometimes"], ["train.nonfinite", "expected one of [error, skip]"]),
+    (
+        "text glob matches nothing",
+        ["data=text", "data.root={tmp}", "data.glob=*.nothing"],
+        ["data.glob='*.nothing' matches no file", "Fix:"],
+    ),
     ("checkpoint path missing", ["checkpoint.resume={tmp}/nowhere"], ["{tmp}/nowhere", "no such file", "Fix:"]),
     ("checkpoint incomplete", ["checkpoint.resume={tmp}/incomplete"], ["{tmp}/incomplete", "no meta.json", "Fix:"]),
     ("checkpoint corrupt", ["checkpoint.resume={tmp}/corrupt"], ["{tmp}/corrupt", "meta.json is unreadable", "Fix:"]),
-    ("checkpoint of another shape", ["checkpoint.resume={tmp}/narrow/step_5"],
-     ["holds another model", "model.d_model: saved 64, configured 128", "Fix:"]),
-    ("resume into another model size", ["checkpoint.resume={tmp}/deep/step_5"],
-     ["model.n_layer: saved 8, configured 4", "Fix:"]),
-    ("resume=never over checkpoints", ["checkpoint=sharded", "checkpoint.resume=never"],
-     ["{run}/checkpoints already holds checkpoints (step_5)", "Fix:"]),
+    (
+        "checkpoint of another shape",
+        ["checkpoint.resume={tmp}/narrow/step_5"],
+        ["holds another model", "model.d_model: saved 64, configured 128", "Fix:"],
+    ),
+    (
+        "resume into another model size",
+        ["checkpoint.resume={tmp}/deep/step_5"],
+        ["model.n_layer: saved 8, configured 4", "Fix:"],
+    ),
+    (
+        "resume=never over checkpoints",
+        ["checkpoint=sharded", "checkpoint.resume=never"],
+        ["{run}/checkpoints already holds checkpoints (step_5)", "Fix:"],
+    ),
     ("unwritable run dir", ["hydra.run.dir={tmp}/a_file/run"], ["a_file is not a writable directory", "Fix:"]),
 ]
 
@@ -97,18 +113,35 @@ def test_bad_input_fails_clearly_and_writes_nothing(name, overrides, expected, t
 def test_disk_full_during_a_save_fails_clearly_and_keeps_the_previous_checkpoint(tmp_path, cli_env):
     """RLIMIT_FSIZE makes every write past 256 KiB fail with EFBIG, as a full disk would."""
     run = tmp_path / "run"
-    args = [*FAST, "model.d_model=256", "averager=none", "sharding=full_shard", "checkpoint=full",
-            "checkpoint.interval=2", f"hydra.run.dir={run}"]
+    args = [
+        *FAST,
+        "model.d_model=256",
+        "averager=none",
+        "sharding=full_shard",
+        "checkpoint=full",
+        "checkpoint.interval=2",
+        f"hydra.run.dir={run}",
+    ]
     ok = run_cli([*args, "train.steps=2"], cli_env, tmp_path)
     assert ok.returncode == 0, ok.stderr
     before = snapshot(run / "checkpoints" / "step_2")
     limit = 256 * 1024
-    proc = subprocess.run([sys.executable, str(TRAIN), *args, "train.steps=4"], env=cli_env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=240,
-                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+    proc = subprocess.run(
+        [sys.executable, str(TRAIN), *args, "train.steps=4"],
+        env=cli_env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)),
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     # torch's zip writer reports the short write in its own words ("unexpected pos ..."), so match ours
-    assert "saving checkpoint step 4" in out and "was not committed" in out and "Fix: if the disk is full, free space" in out
+    assert (
+        "saving checkpoint step 4" in out
+        and "was not committed" in out
+        and "Fix: if the disk is full, free space" in out
+    )
     assert snapshot(run / "checkpoints" / "step_2") == before
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2", "step_4.partial"]

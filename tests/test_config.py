@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from conftest import REPO
-from harness.config import ConfigError, register_configs, validate
+from harness.config import ConfigError, register_configs
 from harness.dist import visible_gpus
 from harness.launch import local_rank_count
 from harness.mesh import mesh_shape
+from harness.models import build_model
+from harness.preflight import preflight
+from harness.validate import validate
+
+from support import REPO
 
 register_configs()
 CONF = REPO / "conf"
@@ -49,14 +55,28 @@ def test_mission_configs_are_valid():
     validate(make("sharding=hybrid_shard", "sharding.replicate=2", "optimizer=adamw"), world_size=4, gpus=0)
 
 
-@pytest.mark.parametrize("overrides,error", [
-    (["averager.perod=4"], "Key 'perod' not in 'PeriodicAveragerConf'"),
-    (["averager.period=abc"], "could not be converted to Integer"),
-    (["train.stepz=3"], "Key 'stepz' not in 'TrainConf'"),
-    (["optimizer=sgdd"], "Could not find 'optimizer/sgdd'"),
-    (["checkpoint=sharded", "checkpoint.async=maybe"], "Value 'maybe' is not a valid bool"),
-    (["checkpoint.asnyc=true"], "Key 'asnyc' not in 'CheckpointConf'"),
-])
+@pytest.mark.parametrize(
+    "overrides,error",
+    [
+        (["averager.perod=4"], "Key 'perod' not in 'PeriodicAveragerConf'"),
+        (["averager.period=abc"], "could not be converted to Integer"),
+        (["train.stepz=3"], "Key 'stepz' not in 'TrainConf'"),
+        (["optimizer=sgdd"], "Could not find 'optimizer/sgdd'"),
+        (["checkpoint=sharded", "checkpoint.async=maybe"], "Value 'maybe' is not a valid bool"),
+        (["checkpoint.asnyc=true"], "Key 'asnyc' not in 'CheckpointConf'"),
+        # allowed values are enums in the schema: stated once, enforced by OmegaConf
+        (["train.device=tpu"], "Invalid value 'tpu', expected one of [auto, cpu, cuda]"),
+        (["train.nonfinite=sometimes"], "Invalid value 'sometimes', expected one of [error, skip]"),
+        (["launcher.start_method=thread"], "Invalid value 'thread', expected one of [auto, fork, spawn, forkserver]"),
+        (
+            ["sharding.reduce_dtype=float8"],
+            "Invalid value 'float8', expected one of [auto, float32, bfloat16, float16]",
+        ),
+        (["sharding.strategy=zero3"], "Invalid value 'zero3', expected one of [full_shard, shard_grad_op"),
+        (["checkpoint.mode=sometimes"], "Invalid value 'sometimes', expected one of [none, full, sharded]"),
+        (["wandb.mode=loud"], "Invalid value 'loud', expected one of [offline, online, disabled]"),
+    ],
+)
 def test_hydra_rejects_typos_and_wrong_types_at_composition(overrides, error):
     with pytest.raises(Exception) as info:
         make(*overrides)
@@ -80,12 +100,14 @@ RULES = [
     (["train.seq_len=1"], 2, 0, ["train.seq_len=1", ">= 2"]),
     (["train.log_every=0"], 2, 0, ["train.log_every=0"]),
     (["train.grad_clip=-1"], 2, 0, ["train.grad_clip=-1.0", "train.grad_clip=0"]),
-    (["train.device=tpu"], 2, 0, ["train.device='tpu'", "train.device=auto"]),
     (["train.device=cuda"], 2, 0, ["train.device=cuda", "no CUDA device is visible", "train.device=cpu"]),
-    (["train.device=cuda", "launcher.nproc=4"], 4, 2, ["launcher.nproc=4 starts 4 ranks", "only 2 CUDA device(s)",
-                                                        "Fix: launcher.nproc=2", "train.device=cpu"]),
+    (
+        ["train.device=cuda", "launcher.nproc=4"],
+        4,
+        2,
+        ["launcher.nproc=4 starts 4 ranks", "only 2 CUDA device(s)", "Fix: launcher.nproc=2", "train.device=cpu"],
+    ),
     (["launcher.nproc=2"], 2, 1, ["launcher.nproc=2 starts 2 ranks", "only 1 CUDA device(s)"]),  # auto picks cuda
-    (["launcher.start_method=thread"], 2, 0, ["launcher.start_method='thread'", "launcher.start_method=auto"]),
     (["train.peak_tflops=0"], 2, 0, ["train.peak_tflops=0", "train.peak_tflops=null"]),
     (["launcher.nproc=0"], 2, 0, ["launcher.nproc=0"]),
     (["launcher.nproc=100000"], 2, 0, ["launcher.nproc=100000", "thrash"]),
@@ -95,42 +117,87 @@ RULES = [
     (["model.n_layer=0"], 2, 0, ["model.n_layer=0"]),
     (["data.noise=1.5"], 2, 0, ["data.noise=1.5", "[0, 1)"]),
     (["data=text", "model.vocab_size=100"], 2, 0, ["model.vocab_size=100", "byte-level", "model.vocab_size=256"]),
-    (["data=text", "data.glob=**/*.nothing-matches"], 2, 0, ["data.glob='**/*.nothing-matches'", "matches no file"]),
-    (["data=text", "data.root=/no/such/dir"], 2, 0, ["data.root='/no/such/dir'", "not a directory"]),
     (["+optimizer.momentm=0.9"], 2, 0, ["optimizer.momentm=0.9", "torch.optim.SGD", "momentum"]),
     (["optimizer.lr=0"], 2, 0, ["optimizer.lr=0", "positive"]),
     (["optimizer._target_=torch.optim.Nope"], 2, 0, ["optimizer._target_='torch.optim.Nope'", "cannot be imported"]),
     (["optimizer._target_=torch.nn.Linear"], 2, 0, ["torch.nn.Linear", "not a torch.optim.Optimizer"]),
     (["sharding=hybrid_shard", "sharding.replicate=3"], 4, 0, ["sharding.replicate=3", "world size 4", "[1, 2, 4]"]),
-    (["sharding=hybrid_shard", "averager=none"], 1, 0, ["sharding.replicate=null (one replica per node", "world size 1"]),
-    (["sharding=full_shard", "sharding.replicate=2"], 4, 0, ["sharding.replicate=2 conflicts with sharding=full_shard"]),
-    (["sharding=ddp", "sharding.param_dtype=float16"], 2, 0, ["sharding.param_dtype=float16", "gradient scaler",
-                                                              "sharding.param_dtype=bfloat16"]),
-    (["sharding.reduce_dtype=float8"], 2, 0, ["sharding.reduce_dtype='float8'"]),
-    (["sharding.strategy=zero3"], 2, 0, ["sharding.strategy='zero3'", "full_shard"]),
-    (["sharding=full_shard"], 4, 0, ["averager=periodic", "1 replica", "sharding=hybrid_shard sharding.replicate=2",
-                                         "averager=none"]),
-    (["sharding=full_shard"], 2, 0, ["averager=periodic", "Fix: sharding=no_shard"]),
-    (["sharding=no_shard"], 1, 0, ["averager=periodic", "launcher.nproc=2"]),
+    (
+        ["sharding=hybrid_shard", "averager=none"],
+        1,
+        0,
+        ["sharding.replicate=null (one replica per node", "world size 1"],
+    ),
+    (
+        ["sharding=full_shard", "sharding.replicate=2"],
+        4,
+        0,
+        ["sharding.replicate=2 conflicts with sharding=full_shard"],
+    ),
+    (
+        ["sharding=ddp", "sharding.param_dtype=float16"],
+        2,
+        0,
+        ["sharding.param_dtype=float16", "gradient scaler", "sharding.param_dtype=bfloat16"],
+    ),
+    (
+        ["sharding=full_shard"],
+        4,
+        0,
+        [
+            "averager._target_=harness.averaging.ReplicaAverager averages parameters",
+            "1 replica",
+            "sharding=hybrid_shard sharding.replicate=2",
+            "averager=none",
+        ],
+    ),
+    (["sharding=full_shard"], 2, 0, ["averages parameters across replicas", "Fix: sharding=no_shard"]),
+    (["sharding=no_shard"], 1, 0, ["averages parameters across replicas", "launcher.nproc=2"]),
     (["averager.period=0"], 2, 0, ["averager.period=0", ">= 1"]),
     (["averager.warmup_steps=-1"], 2, 0, ["averager.warmup_steps=-1", ">= 0"]),
-    (["averager=hierarchical", "sharding=no_shard"], 2, 0,
-     ["averager.period_group_size=[[2,2],[8,4]]", "divide the replica count 2", "averager.period_group_size=[[4,2]]"]),
-    (["averager=hierarchical", "sharding=no_shard", "averager.period_group_size=[[8,4],[2,2]]"], 4, 0,
-     ["strictly increasing", "last group size = 4"]),
-    (["averager=hierarchical", "sharding=no_shard", "averager.period_group_size=[[2,2],[8,2]]"], 4, 0,
-     ["the largest period must average all 4 replicas"]),
-    (["averager=hierarchical", "sharding=no_shard", "averager.period_group_size=[[2,2],[4,3],[8,6]]"], 6, 0,
-     ["each group size must divide the next"]),
-    (["averager=hierarchical", "sharding=no_shard", "averager.period_group_size=[[2]]"], 4, 0,
-     ["list of [period, group_size] pairs"]),
-    (["averager=hierarchical", "sharding=full_shard"], 4, 0, ["averager=hierarchical", "1 replica"]),
+    (
+        ["averager=hierarchical", "sharding=no_shard"],
+        2,
+        0,
+        [
+            "averager.period_group_size=[[2,2],[8,4]]",
+            "divide the replica count 2",
+            "averager.period_group_size=[[4,2]]",
+        ],
+    ),
+    (
+        ["averager=hierarchical", "sharding=no_shard", "averager.period_group_size=[[8,4],[2,2]]"],
+        4,
+        0,
+        ["strictly increasing", "last group size = 4"],
+    ),
+    (
+        ["averager=hierarchical", "sharding=no_shard", "averager.period_group_size=[[2,2],[8,2]]"],
+        4,
+        0,
+        ["the largest period must average all 4 replicas"],
+    ),
+    (
+        ["averager=hierarchical", "sharding=no_shard", "averager.period_group_size=[[2,2],[4,3],[8,6]]"],
+        6,
+        0,
+        ["each group size must divide the next"],
+    ),
+    (
+        ["averager=hierarchical", "sharding=no_shard", "averager.period_group_size=[[2]]"],
+        4,
+        0,
+        ["list of [period, group_size] pairs"],
+    ),
+    (["averager=hierarchical", "sharding=full_shard"], 4, 0, ["HierarchicalReplicaAverager", "1 replica"]),
     (["checkpoint=sharded", "checkpoint.interval=0"], 2, 0, ["checkpoint.interval=0"]),
     (["checkpoint=full", "checkpoint.keep=0"], 2, 0, ["checkpoint.keep=0"]),
-    (["checkpoint.mode=sometimes"], 2, 0, ["checkpoint.mode='sometimes'", "checkpoint=none|full|sharded"]),
-    (["checkpoint=full", "checkpoint.async=true"], 2, 0, ["checkpoint.async=true needs checkpoint=sharded",
-                                                              "Fix: checkpoint=sharded checkpoint.async=true"]),
-    (["wandb.mode=loud"], 2, 0, ["wandb.mode='loud'", "wandb.mode=offline"]),
+    (
+        ["checkpoint=full", "checkpoint.async=true"],
+        2,
+        0,
+        ["checkpoint.async=true needs checkpoint=sharded", "Fix: checkpoint=sharded checkpoint.async=true"],
+    ),
 ]
 
 
@@ -148,8 +215,16 @@ def test_validate_names_key_value_and_fix(overrides, world_size, gpus, expected)
 
 def test_valid_hierarchies_pass():
     validate(make("averager=hierarchical", "sharding=no_shard"), world_size=4, gpus=0)
-    validate(make("averager=hierarchical", "sharding=hybrid_shard", "sharding.replicate=4",
-                  "averager.period_group_size=[[4,2],[16,4]]"), world_size=8, gpus=0)
+    validate(
+        make(
+            "averager=hierarchical",
+            "sharding=hybrid_shard",
+            "sharding.replicate=4",
+            "averager.period_group_size=[[4,2],[16,4]]",
+        ),
+        world_size=8,
+        gpus=0,
+    )
 
 
 def test_validate_reports_every_broken_rule_at_once():
@@ -164,14 +239,19 @@ def test_any_torch_optim_class_is_one_yaml_file_away(tmp_path):
     from harness.optim import build_optimizer
 
     (tmp_path / "optimizer").mkdir()
-    (tmp_path / "optimizer" / "rmsprop.yaml").write_text("_target_: torch.optim.RMSprop\n_partial_: true\nlr: 0.01\nalpha: 0.9\n")
+    (tmp_path / "optimizer" / "rmsprop.yaml").write_text(
+        "_target_: torch.optim.RMSprop\n_partial_: true\nlr: 0.01\nalpha: 0.9\n"
+    )
     cfg = make(f"hydra.searchpath=[file://{tmp_path}]", "optimizer=rmsprop")
     validate(cfg, world_size=2, gpus=0)
     optimizer = build_optimizer(cfg.optimizer, torch.nn.Linear(2, 2), torch.device("cpu"))
     assert isinstance(optimizer, torch.optim.RMSprop) and optimizer.defaults["alpha"] == 0.9
     with pytest.raises(ConfigError, match="optimizer.alpah=0.9 is not an argument of torch.optim.RMSprop"):
-        validate(make(f"hydra.searchpath=[file://{tmp_path}]", "optimizer=rmsprop", "+optimizer.alpah=0.9"),
-                 world_size=2, gpus=0)
+        validate(
+            make(f"hydra.searchpath=[file://{tmp_path}]", "optimizer=rmsprop", "+optimizer.alpah=0.9"),
+            world_size=2,
+            gpus=0,
+        )
 
 
 def test_checkpoint_async_is_a_typed_key():
@@ -189,18 +269,58 @@ def fake_checkpoint(step_dir, step: int, **meta):
     return step_dir
 
 
+def validate_and_preflight(cfg, run_dir) -> None:
+    """What `python train.py` checks before any rank starts."""
+    validate(cfg, world_size=2, gpus=0)
+    if errors := preflight(cfg, run_dir):
+        raise ConfigError("\n\n".join(errors))
+
+
+PREFLIGHT_RULES = [
+    (["data=text", "data.glob=**/*.nothing-matches"], ["data.glob='**/*.nothing-matches'", "matches no file"]),
+    (["data=text", "data.root=/no/such/dir"], ["data.root='/no/such/dir'", "not a directory"]),
+    (
+        ["checkpoint=full", "checkpoint.dir=/proc/nope"],
+        ["checkpoint.dir='/proc/nope' cannot be created or written", "checkpoint.dir=<a folder you can write to>"],
+    ),
+]
+
+
+@pytest.mark.parametrize("overrides,expected", PREFLIGHT_RULES, ids=[" ".join(r[0]) for r in PREFLIGHT_RULES])
+def test_preflight_checks_files_and_names_the_fix(overrides, expected, tmp_path):
+    cfg = make(*overrides)
+    validate(cfg, world_size=2, gpus=0)  # nothing wrong before the file system is asked
+    with pytest.raises(ConfigError) as info:
+        validate_and_preflight(cfg, tmp_path / "run")
+    for text in expected:
+        assert text in str(info.value), f"{text!r} not in:\n{info.value}"
+    assert "Fix:" in str(info.value)
+
+
 RESUME_RULES = [
     ("missing", ["checkpoint.resume={root}/nowhere"], ["no such file or directory", "nowhere"]),
     ("no meta", ["checkpoint.resume={root}/run/checkpoints/step_3"], ["is not a complete checkpoint", "meta.json"]),
     ("corrupt meta", ["checkpoint.resume={root}/corrupt"], ["meta.json is unreadable", "corrupt"]),
-    ("other model", ["checkpoint.resume={root}/ok/step_5", "model.d_model=64"],
-     ["holds another model", "model.d_model: saved 128, configured 64"]),
-    ("other optimizer", ["checkpoint.resume={root}/ok/step_5", "optimizer=sgd"],
-     ["holds torch.optim.AdamW state", "optimizer._target_=torch.optim.SGD"]),
-    ("would overwrite", ["checkpoint=sharded", "checkpoint.resume=never", "checkpoint.dir={root}/ok"],
-     ["already holds checkpoints (step_5, step_9)", "this run would write over them"]),
-    ("older than dir", ["checkpoint=sharded", "checkpoint.resume={root}/ok/step_5", "checkpoint.dir={root}/ok"],
-     ["is step 5", "later checkpoints (step_9)"]),
+    (
+        "other model",
+        ["checkpoint.resume={root}/ok/step_5", "model.d_model=64"],
+        ["holds another model", "model.d_model: saved 128, configured 64"],
+    ),
+    (
+        "other optimizer",
+        ["checkpoint.resume={root}/ok/step_5", "optimizer=sgd"],
+        ["holds torch.optim.AdamW state", "optimizer._target_=torch.optim.SGD"],
+    ),
+    (
+        "would overwrite",
+        ["checkpoint=sharded", "checkpoint.resume=never", "checkpoint.dir={root}/ok"],
+        ["already holds checkpoints (step_5, step_9)", "this run would write over them"],
+    ),
+    (
+        "older than dir",
+        ["checkpoint=sharded", "checkpoint.resume={root}/ok/step_5", "checkpoint.dir={root}/ok"],
+        ["is step 5", "later checkpoints (step_9)"],
+    ),
 ]
 
 
@@ -213,7 +333,7 @@ def test_resume_checks_name_the_path_and_the_fix(name, overrides, expected, tmp_
     fake_checkpoint(tmp_path / "ok" / "step_9", 9)
     cfg = make(*(o.format(root=tmp_path) for o in overrides))
     with pytest.raises(ConfigError) as info:
-        validate(cfg, world_size=2, gpus=0, run_dir=tmp_path / "run")
+        validate_and_preflight(cfg, tmp_path / "run")
     for text in expected:
         assert text in str(info.value), f"{text!r} not in:\n{info.value}"
     assert "Fix:" in str(info.value)
@@ -230,13 +350,13 @@ def test_resume_auto_picks_the_latest_complete_checkpoint(tmp_path):
     (run / "checkpoints" / "step_12.partial").mkdir()
     (run / "checkpoints" / "step_11").mkdir()  # no meta.json: not complete
     assert resume_path(cfg.checkpoint, run) == run / "checkpoints" / "step_10"
-    validate(cfg, world_size=2, gpus=0, run_dir=run)
+    validate_and_preflight(cfg, run)
     cfg = make("checkpoint=sharded", f"checkpoint.resume={run / 'checkpoints'}")  # a folder: its latest
     assert resume_path(cfg.checkpoint, run) == run / "checkpoints" / "step_10"
 
 
 def test_warmup_past_the_last_step_warns_but_runs():
-    from harness.config import config_warnings
+    from harness.validate import config_warnings
 
     cfg = make("train.steps=8")  # the default warmup is 10
     validate(cfg, world_size=2, gpus=0)
@@ -275,3 +395,74 @@ def test_slurm_launcher_composes_one_task_per_job_with_a_gpu_per_rank():
     launcher = cfg.hydra.launcher
     assert launcher._target_ == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
     assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (1, 1, 8)
+
+
+def _schema_defaults(schema) -> dict:
+    return OmegaConf.to_container(OmegaConf.structured(schema))
+
+
+def _repeated_defaults(values: dict, defaults: dict, prefix: str = "") -> list[str]:
+    repeats = []
+    for key, value in values.items():
+        default = defaults.get(key, "<not in schema>")
+        if isinstance(value, dict) and isinstance(default, dict):
+            repeats += _repeated_defaults(value, default, f"{prefix}{key}.")
+        elif value == default:
+            repeats.append(f"{prefix}{key}: {value!r}")
+    return repeats
+
+
+def test_yaml_files_hold_only_what_an_option_changes():
+    """Every default is stated once, in the schema: a YAML value equal to its
+    schema default is a second copy that would silently win over the schema."""
+    from harness.config import SCHEMAS, Config
+
+    found = {}
+    for path in sorted(CONF.glob("*/*.yaml")):
+        group, values = path.parent.name, OmegaConf.to_container(OmegaConf.load(path))
+        schema_refs = [d for d in values.pop("defaults", []) if isinstance(d, str) and d.startswith("/schema/")]
+        if schema_refs:
+            name = schema_refs[0].split("/")[3].split("@")[0]
+            found[str(path.relative_to(CONF))] = _repeated_defaults(values, _schema_defaults(SCHEMAS[group][name]))
+        elif group == "experiment":  # presets: their plain sections against the root schema
+            found[str(path.relative_to(CONF))] = _repeated_defaults(
+                {k: v for k, v in values.items() if k in ("train", "launcher", "dist")}, _schema_defaults(Config)
+            )
+    top = OmegaConf.to_container(OmegaConf.load(CONF / "config.yaml"))
+    found["config.yaml"] = _repeated_defaults(
+        {k: v for k, v in top.items() if k not in ("defaults", "hydra")}, _schema_defaults(Config)
+    )
+    assert len(found) > 20
+    repeats = {path: r for path, r in found.items() if r}
+    assert not repeats, f"YAML files repeat schema defaults (harness/config.py): {repeats}"
+
+
+def test_config_and_report_do_not_load_torch_distributed():
+    code = (
+        "import sys, harness.config, harness.report; "
+        "print(sorted(m for m in sys.modules if m.startswith('torch.distributed')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True).stdout
+    assert out.strip() == "[]", out
+
+
+def test_a_new_model_is_a_class_and_a_yaml_file(tmp_path):
+    """Like an optimizer: `_target_` names the class, its arguments are checked
+    against the constructor, its own rules come from the constructor."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "wide_mlp.yaml").write_text(
+        "_target_: harness.models.TokenMLP\nn_layer: 1\nd_model: 32\nhidden: 512\nvocab_size: 256\n"
+    )
+    cfg = make(f"hydra.searchpath=[file://{tmp_path}]", "model=wide_mlp")
+    validate(cfg, world_size=2, gpus=0)
+    assert type(build_model(cfg.model, cfg.train.seq_len)).__name__ == "TokenMLP"
+    with pytest.raises(ConfigError, match="model.hiden=512 is not an argument of harness.models.TokenMLP"):
+        validate(
+            make(f"hydra.searchpath=[file://{tmp_path}]", "model=wide_mlp", "~model.hidden", "+model.hiden=512"),
+            world_size=2,
+            gpus=0,
+        )
+    with pytest.raises(ConfigError, match=r"model.n_layer=0 out of range"):
+        validate(
+            make(f"hydra.searchpath=[file://{tmp_path}]", "model=wide_mlp", "model.n_layer=0"), world_size=2, gpus=0
+        )

@@ -7,14 +7,14 @@ import os
 import torch
 from omegaconf import OmegaConf
 
-from harness.data import TokenStream, build_data, load_text_corpus
+from harness.data import TextTokens, TokenStream, build_data
 from harness.models import build_model, materialize
 
 CPU = torch.device("cpu")
 
 
-def stream(world_size: int, rank: int, batch_size: int, name: str = "synthetic", **data) -> TokenStream:
-    cfg = OmegaConf.create({"name": name, "noise": 0.1, **data})
+def stream(world_size: int, rank: int, batch_size: int) -> TokenStream:
+    cfg = OmegaConf.create({"_target_": "harness.data.SyntheticTokens", "noise": 0.1})
     return build_data(cfg, 256, batch_size, 16, seed=3, rank=rank, world_size=world_size, device=CPU)
 
 
@@ -62,13 +62,21 @@ def test_text_corpus_is_cached_once_and_windows_do_not_overlap(tmp_path):
     root.mkdir()
     for i in range(3):
         (root / f"f{i}.txt").write_bytes(torch.randint(256, (1000 + i,), dtype=torch.uint8).numpy().tobytes())
-    cfg = OmegaConf.create({"name": "text", "root": str(root), "glob": "*.txt", "max_bytes": 10**6,
-                            "cache_dir": str(tmp_path / "cache")})
-    tokens = load_text_corpus(cfg)
-    assert len(tokens) == sum(os.path.getsize(p) for p in root.iterdir())
+    cfg = OmegaConf.create(
+        {
+            "_target_": "harness.data.TextTokens",
+            "root": str(root),
+            "glob": "*.txt",
+            "max_bytes": 10**6,
+            "cache_dir": str(tmp_path / "cache"),
+        }
+    )
+    source = TextTokens(**{k: v for k, v in cfg.items() if k != "_target_"}, vocab_size=256, seed=0)
+    source.open()
+    assert len(source.tokens) == sum(os.path.getsize(p) for p in root.iterdir())
     [cached] = list((tmp_path / "cache").iterdir())
     mtime = cached.stat().st_mtime_ns
-    load_text_corpus(cfg)
+    source.open()
     assert cached.stat().st_mtime_ns == mtime  # reused, not rebuilt
     s = build_data(cfg, 256, 4, 16, seed=0, rank=0, world_size=1, device=CPU)
     windows = torch.cat([s.next_batch()[0] for _ in range(10)])
@@ -76,15 +84,15 @@ def test_text_corpus_is_cached_once_and_windows_do_not_overlap(tmp_path):
 
 
 def test_default_text_corpus_is_the_standard_library_without_site_packages(tmp_path):
-    from harness.data import text_files
-
-    files = text_files(OmegaConf.create({"root": None, "glob": "**/*.py"}))
+    files = TextTokens(None, "**/*.py", 10**6, "unused", vocab_size=256, seed=0).files()
     assert any(f.endswith(os.path.join("json", "decoder.py")) for f in files)
     assert not any("site-packages" in f for f in files)
 
 
 def test_init_is_seeded_per_parameter_not_by_order():
-    cfg = OmegaConf.create({"name": "gpt", "n_layer": 2, "n_head": 2, "d_model": 16, "vocab_size": 32})
+    cfg = OmegaConf.create(
+        {"_target_": "harness.models.GPT", "n_layer": 2, "n_head": 2, "d_model": 16, "vocab_size": 32}
+    )
     a, b = build_model(cfg, 8), build_model(cfg, 8)
     assert next(a.parameters()).is_meta
     materialize(a, CPU, seed=7)

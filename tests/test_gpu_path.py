@@ -13,18 +13,20 @@ import torch.distributed.checkpoint.staging as staging
 from omegaconf import OmegaConf
 
 import harness.compat
-from conftest import FAST, check_ok, losses, read_metrics, run_cli
 from harness.compat import ReusableStager
 from harness.metrics import peak_flops
 from harness.models import build_model
 from harness.optim import build_optimizer, clip_grad_norm_
 
+from support import FAST, check_ok, losses, read_metrics, run_cli
+
 CPU = torch.device("cpu")
 
 
 def adamw(**overrides):
-    return OmegaConf.create({"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 1e-3, "fused": None,
-                             **overrides})
+    return OmegaConf.create(
+        {"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 1e-3, "fused": None, **overrides}
+    )
 
 
 def test_fused_optimizer_is_the_default_on_cuda_only():
@@ -58,13 +60,21 @@ def test_clip_grad_norm_matches_torch(scale, max_norm):
 
 def test_flops_per_token_counts_every_matmul_weight_and_attention():
     d, layers, vocab, seq = 64, 3, 100, 32
-    gpt = build_model(OmegaConf.create({"name": "gpt", "n_layer": layers, "n_head": 4, "d_model": d,
-                                        "vocab_size": vocab}), seq)
+    gpt = build_model(
+        OmegaConf.create(
+            {"_target_": "harness.models.GPT", "n_layer": layers, "n_head": 4, "d_model": d, "vocab_size": vocab}
+        ),
+        seq,
+    )
     block = (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d) + 2 * 2 * d  # attn, mlp, norms
     weights = layers * block + 2 * d + vocab * d  # + final norm + head; embeddings are lookups
     assert gpt.flops_per_token(seq) == 6 * weights + 12 * layers * d * seq
-    mlp = build_model(OmegaConf.create({"name": "mlp", "n_layer": 2, "d_model": d, "hidden": 128,
-                                        "vocab_size": vocab}), seq)
+    mlp = build_model(
+        OmegaConf.create(
+            {"_target_": "harness.models.TokenMLP", "n_layer": 2, "d_model": d, "hidden": 128, "vocab_size": vocab}
+        ),
+        seq,
+    )
     assert mlp.flops_per_token(seq) == 6 * (2 * (2 * d + d * 128 + 128 + 128 * d + d) + 2 * d + vocab * d)
 
 
@@ -81,8 +91,11 @@ def test_one_stager_stages_three_times_into_the_same_buffers(shim, monkeypatch):
     the second stage on 2.11 and 2.12 (pytorch/pytorch#183413)."""
     needs_shim = harness.compat.STAGE_CLOSES_STAGER
     monkeypatch.setattr(harness.compat, "STAGE_CLOSES_STAGER", shim)
-    stager = ReusableStager(staging.StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                                   use_async_staging=True, use_non_blocking_copy=False))
+    stager = ReusableStager(
+        staging.StagingOptions(
+            use_pinned_memory=False, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=False
+        )
+    )
     weight = torch.zeros(4, 3)
 
     def stage(value: float) -> dict:
@@ -125,11 +138,26 @@ def test_compiled_blocks_with_fused_adamw_averaging_and_three_async_saves(tmp_pa
     async sharded save at steps 2, 4 and 6 through one stager: it follows the
     eager run, and an eager run resumes from the compiled run's checkpoint
     (parameter names do not change under compile) and ends where it ended."""
-    common = [*FAST, "train.steps=6", "optimizer=adamw", "averager.warmup_steps=2", "averager.period=2",
-              "checkpoint=sharded", "checkpoint.async=true", "checkpoint.interval=2", "checkpoint.keep=3"]
+    common = [
+        *FAST,
+        "train.steps=6",
+        "optimizer=adamw",
+        "averager.warmup_steps=2",
+        "averager.period=2",
+        "checkpoint=sharded",
+        "checkpoint.async=true",
+        "checkpoint.interval=2",
+        "checkpoint.keep=3",
+    ]
     compiled = tmp_path / "compiled"
-    check_ok(run_cli([*common, "train.compile=true", "optimizer.fused=true", f"hydra.run.dir={compiled}"],
-                     cli_env, tmp_path, timeout=400))
+    check_ok(
+        run_cli(
+            [*common, "train.compile=true", "optimizer.fused=true", f"hydra.run.dir={compiled}"],
+            cli_env,
+            tmp_path,
+            timeout=400,
+        )
+    )
     eager = tmp_path / "eager"
     check_ok(run_cli([*common, f"hydra.run.dir={eager}"], cli_env, tmp_path))
     assert logged_losses(compiled) == pytest.approx(logged_losses(eager), rel=1e-4)
@@ -137,8 +165,19 @@ def test_compiled_blocks_with_fused_adamw_averaging_and_three_async_saves(tmp_pa
     assert [r["step"] for r in read_metrics(compiled) if r.get("averager/averaged")] == [3, 5]
 
     resumed = tmp_path / "resumed"
-    check_ok(run_cli([*common, "optimizer.fused=true", f"checkpoint.resume={compiled / 'checkpoints' / 'step_4'}",
-                      f"checkpoint.dir={resumed / 'checkpoints'}", f"hydra.run.dir={resumed}"], cli_env, tmp_path))
+    check_ok(
+        run_cli(
+            [
+                *common,
+                "optimizer.fused=true",
+                f"checkpoint.resume={compiled / 'checkpoints' / 'step_4'}",
+                f"checkpoint.dir={resumed / 'checkpoints'}",
+                f"hydra.run.dir={resumed}",
+            ],
+            cli_env,
+            tmp_path,
+        )
+    )
     assert logged_losses(resumed, after=4) == pytest.approx(logged_losses(compiled, after=4), rel=1e-4)
 
 
@@ -148,8 +187,11 @@ def test_ddp_computes_in_the_configured_dtype_under_autocast(tmp_path, cli_env):
     CPU): bf16 compute changes the losses a little, fp32 gives the default run's."""
     runs = {}
     for dtype in ("auto", "float32", "bfloat16"):
-        check_ok(run_cli([*FAST, "sharding=ddp", f"sharding.param_dtype={dtype}", f"hydra.run.dir={dtype}"],
-                         cli_env, tmp_path))
+        check_ok(
+            run_cli(
+                [*FAST, "sharding=ddp", f"sharding.param_dtype={dtype}", f"hydra.run.dir={dtype}"], cli_env, tmp_path
+            )
+        )
         runs[dtype] = losses(tmp_path / dtype)
     assert runs["auto"] == runs["float32"]
     assert runs["bfloat16"] != runs["float32"]

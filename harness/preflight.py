@@ -1,0 +1,73 @@
+"""Checks that touch the file system, run once before any rank starts (after
+`validate`): the data source's files, the checkpoint the run would resume
+from, and a checkpoint directory it can write. Each error names the key, the
+value and the fix, like `validate`'s."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from harness.checkpoint import (
+    CheckpointError,
+    check_compatible,
+    checkpoint_dir,
+    complete_checkpoints,
+    read_meta,
+    resume_path,
+)
+
+
+def preflight(cfg: DictConfig, run_dir: Path) -> list[str]:
+    source = instantiate(cfg.data, _partial_=True)(vocab_size=cfg.model.vocab_size, seed=cfg.train.seed)
+    errors = source.preflight_errors() if hasattr(source, "preflight_errors") else []
+    return errors + _check_checkpoint_dir(cfg.checkpoint, run_dir) + _check_resume(cfg, run_dir)
+
+
+def _check_checkpoint_dir(cfg: DictConfig, run_dir: Path) -> list[str]:
+    """A run that cannot save would otherwise train until its first save and lose every step."""
+    if cfg.mode == "none" or not cfg.dir:
+        return []  # <run dir>/checkpoints: the run dir is checked before Hydra creates it
+    root = checkpoint_dir(cfg, run_dir)
+    existing = next(p for p in (root, *root.parents) if p.exists())
+    try:  # a real write: permission bits say nothing to root, nor about read-only or virtual file systems
+        tempfile.TemporaryDirectory(dir=existing, prefix=".harness-preflight-").cleanup()
+        return []
+    except OSError as e:
+        reason = e.strerror or type(e).__name__
+    return [
+        f"checkpoint.dir={cfg.dir!r} cannot be created or written: {existing} refuses new entries ({reason}). "
+        "Fix: checkpoint.dir=<a folder you can write to>, or checkpoint.dir=null for <run dir>/checkpoints."
+    ]
+
+
+def _check_resume(cfg: DictConfig, run_dir: Path) -> list[str]:
+    """The checkpoint `checkpoint.resume` picks must exist, be complete and fit
+    this model; and a run must not write over checkpoints it did not resume from."""
+    path = resume_path(cfg.checkpoint, run_dir)
+    root = checkpoint_dir(cfg.checkpoint, run_dir)
+    existing = complete_checkpoints(root)
+    if path is None:
+        if existing and cfg.checkpoint.mode != "none":
+            return [
+                f"checkpoint.resume={cfg.checkpoint.resume} but {root} already holds checkpoints "
+                f"({', '.join(p.name for p in existing)}); this run would write over them. Fix: "
+                "checkpoint.resume=auto to continue from the latest, or a new hydra.run.dir / checkpoint.dir."
+            ]
+        return []
+    try:
+        meta = read_meta(path)
+    except CheckpointError as e:
+        return [str(e)]
+    errors = check_compatible(meta, cfg, path)
+    newer = [p.name for p in existing if int(p.name.split("_")[1]) > meta["step"]]
+    if newer and cfg.checkpoint.mode != "none":
+        errors.append(
+            f"checkpoint.resume={str(path)!r} is step {meta['step']}, but {root} already holds later "
+            f"checkpoints ({', '.join(newer)}) that this run would write over. Fix: resume from the latest "
+            "(checkpoint.resume=auto), or save elsewhere (checkpoint.dir=<new folder>)."
+        )
+    return errors

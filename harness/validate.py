@@ -1,0 +1,259 @@
+"""The cross-field rules: `validate` checks a composed config against the
+world it will run in, before any process group exists, and raises one
+ConfigError listing every broken rule, each naming the key, its value and the
+fix. Pure: it reads no file (that is `harness.preflight`).
+
+Single-field rules are the schema's (`harness.config`: types and enums, Hydra's
+own errors at composition); a component's own arguments are checked by the
+component (its class accepts the keys; its constructor refuses bad values),
+which `validate` asks by building it cheaply (models on the meta device).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import os
+from typing import Any
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from harness.config import EXTRA_KEYS, ConfigError, Strategy
+from harness.dist import resolve_device, under_torchrun
+from harness.mesh import mesh_shape
+from harness.models import build_model
+
+
+def validate(cfg: DictConfig, world_size: int, gpus: int, local_world_size: int | None = None) -> None:
+    """Raise ConfigError with one paragraph per broken rule; `gpus` is the
+    number of CUDA devices visible on this node."""
+    errors = unknown_keys(cfg)
+    errors += _check_train(cfg, world_size, gpus, local_world_size or world_size)
+    errors += _check_model_and_data(cfg)
+    errors += _check_optimizer(cfg.optimizer)
+    errors += _check_sharding_and_averager(cfg, world_size, local_world_size)
+    errors += _check_checkpoint(cfg)
+    if errors:
+        raise ConfigError("\n\n".join(errors))
+
+
+def config_warnings(cfg: DictConfig) -> list[str]:
+    """Configs that run but probably not as meant (a short smoke run is a fair reason)."""
+    avg = cfg.averager
+    if avg.get("_target_") is not None and avg.get("warmup_steps", 0) >= cfg.train.steps:
+        return [
+            f"averager.warmup_steps={avg.warmup_steps} >= train.steps={cfg.train.steps}: every step is "
+            "synchronous and the averager never averages. For local SGD lower averager.warmup_steps; for "
+            "synchronous training say averager=none."
+        ]
+    return []
+
+
+def unknown_keys(cfg: DictConfig) -> list[str]:
+    """Keys present in a schema'd node that its dataclass does not declare.
+
+    Hydra accepts `+group.new_key=...` on a schema'd node without complaint
+    (and `OmegaConf.to_object` silently drops it), so it is refused here.
+    """
+    errors = []
+
+    def walk(node: Any, path: str) -> None:
+        if not isinstance(node, DictConfig):
+            return
+        schema = OmegaConf.get_type(node)
+        if dataclasses.is_dataclass(schema):
+            declared = {f.name for f in dataclasses.fields(schema)} | EXTRA_KEYS.get(schema, set())
+            for key in node.keys():
+                if key not in declared:
+                    full = f"{path}.{key}" if path else str(key)
+                    errors.append(
+                        f"Unknown config key '{full}' (value {node._get_node(key)._value()!r}): "
+                        f"'{path or 'config'}' is a {schema.__name__}, which has no key '{key}'. "
+                        f"Valid keys: {', '.join(sorted(declared))}. Fix: check the spelling, "
+                        f"and drop the '+' in '+{full}=...' (it adds keys instead of setting them)."
+                    )
+        for key in node.keys():
+            if not OmegaConf.is_missing(node, key):
+                walk(node._get_node(key), f"{path}.{key}" if path else str(key))
+
+    walk(cfg, "")
+    return errors
+
+
+def _at_least(cfg: DictConfig, key: str, minimum: float, fix: str) -> list[str]:
+    value = OmegaConf.select(cfg, key)
+    if value is None or value < minimum:
+        return [f"{key}={value} is out of range: it must be >= {minimum}. Fix: {fix}."]
+    return []
+
+
+def _check_train(cfg: DictConfig, world_size: int, gpus: int, local_world_size: int) -> list[str]:
+    errors = []
+    for key, minimum in [
+        ("train.steps", 1),
+        ("train.batch_size", 1),
+        ("train.seq_len", 2),
+        ("train.log_every", 1),
+        ("dist.timeout_s", 1),
+    ]:
+        errors += _at_least(cfg, key, minimum, f"set {key}={max(minimum, 1)} or larger")
+    errors += _at_least(cfg, "train.grad_clip", 0, "set train.grad_clip=0 to disable clipping")
+    for key in ("launcher.nproc", "dist.threads_per_rank"):
+        if OmegaConf.select(cfg, key) is not None:
+            errors += _at_least(cfg, key, 1, f"set {key}=null (automatic) or a positive number")
+    if cfg.train.peak_tflops is not None and cfg.train.peak_tflops <= 0:
+        errors.append(
+            f"train.peak_tflops={cfg.train.peak_tflops} must be positive (one device's peak dense "
+            "TFLOP/s). Fix: train.peak_tflops=null to look it up from the GPU's name."
+        )
+    errors += _check_device(cfg, gpus, local_world_size)
+    cpus = len(os.sched_getaffinity(0))
+    if cfg.launcher.nproc is not None and cfg.launcher.nproc > 16 * cpus:
+        errors.append(
+            f"launcher.nproc={cfg.launcher.nproc} starts more than 16 ranks per CPU core "
+            f"({cpus} cores here); the run would thrash. Fix: launcher.nproc=2, or use torchrun across nodes."
+        )
+    return errors
+
+
+def _check_device(cfg: DictConfig, gpus: int, local_world_size: int) -> list[str]:
+    """A device that exists, and one GPU per local rank."""
+    if cfg.train.device == "cuda" and gpus == 0:
+        return [
+            "train.device=cuda but no CUDA device is visible on this machine. "
+            "Fix: train.device=auto (cuda when present, else cpu) or train.device=cpu."
+        ]
+    if resolve_device(cfg.train.device, gpus) != "cuda" or local_world_size <= gpus:
+        return []
+    torchrun = under_torchrun()
+    given = f"torchrun --nproc-per-node {local_world_size}" if torchrun else f"launcher.nproc={local_world_size}"
+    fix = (
+        f"torchrun --nproc-per-node {gpus}"
+        if torchrun
+        else f"launcher.nproc={gpus} (or launcher.nproc=null: one rank per GPU)"
+    )
+    return [
+        f"{given} starts {local_world_size} ranks on this node, but only {gpus} CUDA device(s) are "
+        f"visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); each rank "
+        f"needs a GPU of its own. Fix: {fix}, or train.device=cpu."
+    ]
+
+
+def target_class(
+    node: DictConfig, group: str, base: type, base_name: str, runtime_args: tuple[str, ...], options: str
+) -> tuple[type | None, list[str]]:
+    """The class `<group>._target_` names, or the errors why it cannot be built from `node`:
+    it must import, subclass `base`, and accept every key of `node` (the
+    `runtime_args` are filled in by the harness, not the config)."""
+    target = node.get("_target_")
+    try:
+        module, _, name = str(target).rpartition(".")
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return None, [f"{group}._target_={target!r} cannot be imported. Fix: name a class, or pick {group}={options}."]
+    if not (inspect.isclass(cls) and issubclass(cls, base)):
+        return None, [
+            f"{group}._target_={target!r} is not a {base_name} subclass. "
+            f"Fix: point it at such a class, or pick {group}={options}."
+        ]
+    params = inspect.signature(cls).parameters
+    accepted = [p for p in params if p not in ("self", *runtime_args)]
+    errors = [
+        f"{group}.{key}={node[key]!r} is not an argument of {target}. It accepts: {', '.join(accepted)}. "
+        f"Fix: check the spelling of {group}.{key}."
+        for key in node.keys()
+        if not str(key).startswith("_") and key not in accepted
+    ]
+    return (None if errors else cls), errors
+
+
+def _check_model_and_data(cfg: DictConfig) -> list[str]:
+    """The model and the data source accept their keys and values: each is built
+    (the model on the meta device; sources are cheap until `open()`)."""
+    errors = []
+    model_cls, model_errors = target_class(
+        cfg.model, "model", torch.nn.Module, "torch.nn.Module", ("seq_len",), "gpt|mlp"
+    )
+    data_cls, data_errors = target_class(
+        cfg.data, "data", object, "data source", ("vocab_size", "seed"), "synthetic|text"
+    )
+    errors += model_errors + data_errors
+    if model_cls is not None:
+        try:
+            build_model(cfg.model, cfg.train.seq_len)
+        except ValueError as e:
+            errors.append(str(e))
+    if data_cls is not None:
+        try:
+            instantiate(cfg.data, _partial_=True)(vocab_size=cfg.model.vocab_size, seed=cfg.train.seed)
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
+def _check_optimizer(opt: DictConfig) -> list[str]:
+    _, errors = target_class(
+        opt, "optimizer", torch.optim.Optimizer, "torch.optim.Optimizer", ("params",), "sgd|adam|adamw"
+    )
+    lr = opt.get("lr")
+    if not isinstance(lr, (int, float)) or lr <= 0:
+        errors.append(f"optimizer.lr={lr!r} must be a positive number. Fix: e.g. optimizer.lr=0.001.")
+    return errors
+
+
+def _check_sharding_and_averager(cfg: DictConfig, world_size: int, local_world_size: int | None) -> list[str]:
+    shard, avg = cfg.sharding, cfg.averager
+    errors = []
+    if shard.strategy == Strategy.ddp and shard.param_dtype == "float16":
+        errors.append(
+            "sharding.param_dtype=float16 with sharding=ddp would autocast to float16 without a gradient "
+            "scaler, and small gradients underflow. Fix: sharding.param_dtype=bfloat16 (or auto)."
+        )
+    if world_size < 1:  # launcher.nproc < 1, reported with the launcher's keys
+        return errors
+    try:
+        replicate, _ = mesh_shape(shard.strategy, shard.replicate, world_size, local_world_size)
+    except ValueError as e:
+        return errors + [str(e)]
+    if avg.get("_target_") is None:
+        return errors
+    # an averager is a torch ModelAverager (imported here: it loads torch.distributed)
+    from torch.distributed.algorithms.model_averaging.averagers import ModelAverager
+
+    averager_cls, target_errors = target_class(
+        avg, "averager", ModelAverager, "torch ModelAverager", ("mesh", "traffic"), "none|periodic|hierarchical"
+    )
+    errors += target_errors
+    if replicate < 2:
+        fix = (
+            "sharding=hybrid_shard sharding.replicate=2"
+            if world_size >= 4 and world_size % 2 == 0
+            else "sharding=no_shard"
+            if world_size >= 2
+            else "launcher.nproc=2 (or torchrun with 2+ ranks)"
+        )
+        errors.append(
+            f"averager._target_={avg._target_} averages parameters across replicas, but sharding={shard.strategy} "
+            f"at world size {world_size} has {replicate} replica (mesh replicate={replicate}); inside a replica the "
+            f"ranks hold different shards, so there is nothing to average. Fix: {fix}, or averager=none."
+        )
+    elif averager_cls is not None and hasattr(averager_cls, "config_errors"):
+        errors += averager_cls.config_errors(avg, replicate)
+    return errors
+
+
+def _check_checkpoint(cfg: DictConfig) -> list[str]:
+    errors = []
+    ckpt = cfg.checkpoint
+    if ckpt.mode != "none":
+        errors += _at_least(cfg, "checkpoint.interval", 1, "checkpoint.interval=100")
+        errors += _at_least(cfg, "checkpoint.keep", 1, "checkpoint.keep=2")
+    if ckpt["async"] and ckpt.mode != "sharded":
+        errors.append(
+            f"checkpoint.async=true needs checkpoint=sharded (DCP's async_save), not checkpoint={ckpt.mode}. "
+            "Fix: checkpoint=sharded checkpoint.async=true, or checkpoint.async=false."
+        )
+    return errors
