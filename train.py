@@ -5,15 +5,14 @@ import sys
 import hydra
 
 from harness.config import register_configs
-from harness.launch import main as harness_main
-from harness.launch import prepare_torchrun_rank, refuse_unwritable_run_dir
+from harness.launch import prepare_torchrun_rank, refuse_unwritable_run_dir, start
 
 register_configs()
 
 
 @hydra.main(version_base=None, config_path="conf", config_name="config")
 def main(cfg) -> None:
-    harness_main(cfg)
+    start(cfg)
 
 
 if __name__ == "__main__":

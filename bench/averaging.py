@@ -58,8 +58,14 @@ from fractions import Fraction
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MODEL = ["model=mlp", "model.d_model=512", "model.hidden=2048", "model.n_layer=4",
-         "train.batch_size=2", "train.seq_len=32"]
+MODEL = [
+    "model=mlp",
+    "model.d_model=512",
+    "model.hidden=2048",
+    "model.n_layer=4",
+    "train.batch_size=2",
+    "train.seq_len=32",
+]
 LAYOUTS = {"2x2 hybrid": ["sharding=hybrid_shard", "sharding.replicate=2"], "4x1 no_shard": ["sharding=no_shard"]}
 LINK_LAYOUT = "2x2 hybrid"
 RUN_TIMEOUT_S = 600  # one training run, both nodes together
@@ -124,9 +130,12 @@ class RunFailed(RuntimeError):
 
 # ------------------------------------------------------------------ configs and metrics
 
+
 def averagers(periods: list[int], warmup: int) -> list[Averager]:
-    periodic = [Averager(f"period {p}", ("averager=periodic", f"averager.period={p}",
-                                         f"averager.warmup_steps={warmup}"), p) for p in periods]
+    periodic = [
+        Averager(f"period {p}", ("averager=periodic", f"averager.period={p}", f"averager.warmup_steps={warmup}"), p)
+        for p in periods
+    ]
     # The same synchronous training through the post-local SGD path (replicas sharded on `shard`,
     # gradients averaged by the warm-up hook for the whole run), against native HSDP's `sync`.
     hook_sync = Averager("sync, hook", ("averager=periodic", f"averager.warmup_steps={10**6}"), None)
@@ -149,12 +158,18 @@ def summarize(run_dir: Path, warmup: int, steps: int, wall_s: float) -> RunResul
     times = [r["train/step_time_s"] for r in window]
     averaged = [r["averager/time_s"] for r in window if r.get("averager/averaged")]
     total = "comm/cross_replica_bytes_total"
-    return RunResult(median_s=statistics.median(times), mean_s=statistics.fmean(times),
-                     window_bytes=rows[steps][total] - rows[warmup][total], n_averaged=len(averaged),
-                     averaging_s=statistics.median(averaged) if averaged else None, wall_s=wall_s)
+    return RunResult(
+        median_s=statistics.median(times),
+        mean_s=statistics.fmean(times),
+        window_bytes=rows[steps][total] - rows[warmup][total],
+        n_averaged=len(averaged),
+        averaging_s=statistics.median(averaged) if averaged else None,
+        wall_s=wall_s,
+    )
 
 
 # ------------------------------------------------------------------ processes
+
 
 def start(cmd: list[str], log_path: Path) -> subprocess.Popen:
     """Start `cmd` in the repo root, in a process group of its own, output to `log_path`."""
@@ -190,8 +205,11 @@ def wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout_s: float) 
 
 
 def tails(logs: list[Path], lines: int = 15) -> str:
-    return "\n".join(f"--- {log}:\n" + "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
-                     for log in logs if log.exists())
+    return "\n".join(
+        f"--- {log}:\n" + "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+        for log in logs
+        if log.exists()
+    )
 
 
 def run_schedule(configs: list[tuple], repeats: int, run_one, workdir: Path) -> dict[tuple, Row]:
@@ -202,9 +220,12 @@ def run_schedule(configs: list[tuple], repeats: int, run_one, workdir: Path) -> 
         result = run_one(config, workdir / f"run{n:03d}", n)
         rows[config].runs.append(result)
         link = "" if result.link_bytes is None else f", link carried {result.link_bytes / 1e6:,.1f} MB"
-        print(f"  [{n:>2}/{len(schedule)}] {config[0]:<13} {config[1].label:<9} median {result.median_s:.3f} s/step, "
-              f"mean {result.mean_s:.3f} s/step, window {result.window_bytes:,} B, "
-              f"averaged {result.n_averaged}x, wall {result.wall_s:.0f} s{link}", flush=True)
+        print(
+            f"  [{n:>2}/{len(schedule)}] {config[0]:<13} {config[1].label:<9} median {result.median_s:.3f} s/step, "
+            f"mean {result.mean_s:.3f} s/step, window {result.window_bytes:,} B, "
+            f"averaged {result.n_averaged}x, wall {result.wall_s:.0f} s{link}",
+            flush=True,
+        )
     return rows
 
 
@@ -218,12 +239,29 @@ rank 0's comm/cross_replica_bytes_total over the window / window steps"""
 def print_results(title: str, rows: list[Row], window: int) -> None:
     """Table of one group's configs (sync first), then the period-fold check on bytes."""
     sync = rows[0]
-    header = ["averager", "median s/step", "vs sync", "mean s/step", "vs sync", "averaging s", "averaged",
-              "cross-replica B/step"]
-    table = [[r.averager.label, f"{r.median_s:.3f}", f"{r.median_s / sync.median_s:.2f}x", f"{r.mean_s:.3f}",
-              f"{r.mean_s / sync.mean_s:.2f}x", "-" if r.averaging_s is None else f"{r.averaging_s:.3f}",
-              "/".join(map(str, sorted(r.n_averaged))), "/".join(f"{b / window:,.0f}" for b in sorted(r.window_bytes))]
-             for r in rows]
+    header = [
+        "averager",
+        "median s/step",
+        "vs sync",
+        "mean s/step",
+        "vs sync",
+        "averaging s",
+        "averaged",
+        "cross-replica B/step",
+    ]
+    table = [
+        [
+            r.averager.label,
+            f"{r.median_s:.3f}",
+            f"{r.median_s / sync.median_s:.2f}x",
+            f"{r.mean_s:.3f}",
+            f"{r.mean_s / sync.mean_s:.2f}x",
+            "-" if r.averaging_s is None else f"{r.averaging_s:.3f}",
+            "/".join(map(str, sorted(r.n_averaged))),
+            "/".join(f"{b / window:,.0f}" for b in sorted(r.window_bytes)),
+        ]
+        for r in rows
+    ]
     print(f"\n{title} (medians over {len(sync.runs)} run(s); window = {window} post-warm-up steps)")
     print_table(header, table)
     for line in period_fold_check(rows, window):
@@ -247,8 +285,10 @@ def period_fold_check(rows: list[Row], window: int) -> list[str]:
         b, p = bytes_of[r.averager.label], r.averager.period
         ratio = Fraction(b1, b) if b else None
         ok = ratio == p and r.n_averaged == {window // p} and len(r.window_bytes) == len(base.window_bytes) == 1
-        lines.append(f"    period {p:>2}: {b:>13,} B, period 1 / this = {ratio}, averaged {sorted(r.n_averaged)} of "
-                     f"{window} steps -> {'exact' if ok else 'NOT EXACT'}")
+        lines.append(
+            f"    period {p:>2}: {b:>13,} B, period 1 / this = {ratio}, averaged {sorted(r.n_averaged)} of "
+            f"{window} steps -> {'exact' if ok else 'NOT EXACT'}"
+        )
     return lines
 
 
@@ -264,9 +304,16 @@ def print_load() -> None:
 
 # ------------------------------------------------------------------ part 1: loopback
 
+
 def loopback_cmd(layout: str, averager: Averager, steps: int, run_dir: Path) -> list[str]:
-    return [sys.executable, "train.py", "launcher.nproc=4", *LAYOUTS[layout], *averager.overrides,
-            *train_overrides(steps, run_dir)]
+    return [
+        sys.executable,
+        "train.py",
+        "launcher.nproc=4",
+        *LAYOUTS[layout],
+        *averager.overrides,
+        *train_overrides(steps, run_dir),
+    ]
 
 
 def part_loopback(args: argparse.Namespace, workdir: Path) -> None:
@@ -279,8 +326,10 @@ def part_loopback(args: argparse.Namespace, workdir: Path) -> None:
         return summarize(run_dir, args.warmup, args.steps, time.monotonic() - began)
 
     print(f"\n== part 1: loopback, 4 local ranks, {args.repeats} repeat(s) x {len(configs)} configs")
-    print("command per run (layout and averager overrides vary):\n  "
-          + shlex.join(loopback_cmd(*configs[-1], args.steps, workdir / "<run>")))
+    print(
+        "command per run (layout and averager overrides vary):\n  "
+        + shlex.join(loopback_cmd(*configs[-1], args.steps, workdir / "<run>"))
+    )
     print_load()
     rows = run_schedule(configs, args.repeats, run_one, workdir / "loopback")
     print_load()
@@ -289,6 +338,7 @@ def part_loopback(args: argparse.Namespace, workdir: Path) -> None:
 
 
 # ------------------------------------------------------------------ part 2: a shaped link between two namespaces
+
 
 def sh(*cmd: str, quiet: bool = False, check: bool = True) -> str:
     if not quiet:
@@ -332,13 +382,31 @@ class Link:
     def shape(self, rate: str) -> None:
         burst = f"{max(64 * 1024, int(rate_bits(rate) / 8 * TBF_BURST_S))}b"
         for ns, dev in zip(self.ns, self.dev):
-            sh("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", burst,
-               "latency", TBF_LATENCY)
+            sh(
+                "tc",
+                "-n",
+                ns,
+                "qdisc",
+                "replace",
+                "dev",
+                dev,
+                "root",
+                "tbf",
+                "rate",
+                rate,
+                "burst",
+                burst,
+                "latency",
+                TBF_LATENCY,
+            )
 
     def sent_bytes(self) -> int:
         """Bytes both qdiscs have sent (both directions of the link)."""
-        return sum(q["bytes"] for ns, dev in zip(self.ns, self.dev)
-                   for q in json.loads(sh("tc", "-n", ns, "-s", "-j", "qdisc", "show", "dev", dev, quiet=True)))
+        return sum(
+            q["bytes"]
+            for ns, dev in zip(self.ns, self.dev)
+            for q in json.loads(sh("tc", "-n", ns, "-s", "-j", "qdisc", "show", "dev", dev, quiet=True))
+        )
 
     def close(self) -> None:
         existing = sh("ip", "netns", "list", quiet=True)
@@ -352,12 +420,35 @@ class Link:
 
     def node_cmd(self, node: int, averager: Averager, args: argparse.Namespace, run_dir: Path, n: int) -> list[str]:
         """One node's torchrun; node 0 hosts the rendezvous store on its veth address."""
-        return ["ip", "netns", "exec", self.ns[node], "env", f"GLOO_SOCKET_IFNAME={self.dev[node]}",
-                sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.addr[0]}:{RDZV_PORT + n}",
-                "--rdzv-id", f"bench{n}", "--rdzv-conf", f"is_host={int(node == 0)},join_timeout=120",
-                "--local-addr", self.addr[node], "train.py", *LAYOUTS[LINK_LAYOUT], *averager.overrides,
-                *train_overrides(args.steps, run_dir)]
+        return [
+            "ip",
+            "netns",
+            "exec",
+            self.ns[node],
+            "env",
+            f"GLOO_SOCKET_IFNAME={self.dev[node]}",
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "2",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"{self.addr[0]}:{RDZV_PORT + n}",
+            "--rdzv-id",
+            f"bench{n}",
+            "--rdzv-conf",
+            f"is_host={int(node == 0)},join_timeout=120",
+            "--local-addr",
+            self.addr[node],
+            "train.py",
+            *LAYOUTS[LINK_LAYOUT],
+            *averager.overrides,
+            *train_overrides(args.steps, run_dir),
+        ]
 
 
 def kill_pid(pid: int) -> None:
@@ -383,8 +474,10 @@ def link_unavailable() -> str | None:
 
 
 def part_link(args: argparse.Namespace, workdir: Path) -> None:
-    print(f"\n== part 2: a shaped link, 2 namespaces x 2 ranks ({LINK_LAYOUT}: shards in a node, replicas across "
-          f"the link), rates {', '.join(args.rates)}, {args.link_repeats} repeat(s)")
+    print(
+        f"\n== part 2: a shaped link, 2 namespaces x 2 ranks ({LINK_LAYOUT}: shards in a node, replicas across "
+        f"the link), rates {', '.join(args.rates)}, {args.link_repeats} repeat(s)"
+    )
     reason = link_unavailable()
     if reason:
         print(f"  skipped: {reason}; part 2 needs root, `ip netns` and `tc`")
@@ -416,9 +509,10 @@ def run_link(link: Link, args: argparse.Namespace, workdir: Path) -> None:
         return replace(result, link_bytes=link.sent_bytes() - sent)
 
     example = [shlex.join(link.node_cmd(node, configs[-1][1], args, workdir / "<run>", 0)) for node in (0, 1)]
-    print("commands per run, both nodes at once (rendezvous port/id and averager overrides vary; "
-          "both nodes share hydra.run.dir, where only rank 0 writes metrics.jsonl):\n  "
-          + "\n  ".join(example))
+    print(
+        "commands per run, both nodes at once (rendezvous port/id and averager overrides vary; "
+        "both nodes share hydra.run.dir, where only rank 0 writes metrics.jsonl):\n  " + "\n  ".join(example)
+    )
     print_load()
     rows = run_schedule(configs, args.link_repeats, run_one, workdir / "link")
     print_load()
@@ -428,6 +522,7 @@ def run_link(link: Link, args: argparse.Namespace, workdir: Path) -> None:
 
 
 # ------------------------------------------------------------------ main
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -441,8 +536,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     window, lcm = args.steps - args.warmup, math.lcm(*args.periods)
     if window <= 0 or window % lcm:
-        parser.error(f"--steps minus --warmup ({window}) must be a positive multiple of every period (lcm {lcm}), "
-                     f"e.g. --steps {args.warmup + lcm}")
+        parser.error(
+            f"--steps minus --warmup ({window}) must be a positive multiple of every period (lcm {lcm}), "
+            f"e.g. --steps {args.warmup + lcm}"
+        )
     for rate in args.rates:
         rate_bits(rate)
     return args

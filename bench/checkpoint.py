@@ -78,18 +78,22 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from harness.checkpoint import Checkpointer, gather_full, inner_optimizer  # noqa: E402
-from harness.config import ConfigError, register_configs, validate  # noqa: E402
-from harness.dist import visible_gpus  # noqa: E402
-from harness.dist import init_distributed, teardown  # noqa: E402
+from harness.checkpoint import Checkpointer, checkpoint_dir, gather_full, inner_optimizer  # noqa: E402
+from harness.config import ConfigError, plain, register_configs  # noqa: E402
+from harness.dist import (  # noqa: E402
+    init_distributed,
+    teardown,
+    visible_gpus,  # noqa: E402
+)
+from harness.job import build_job  # noqa: E402
 from harness.launch import setup_logging, start_method  # noqa: E402
-from harness.loop import build_job, checkpoint_state  # noqa: E402
 from harness.models import build_model  # noqa: E402
+from harness.validate import validate  # noqa: E402
 
 # model=mlp shapes: params = 2*vocab*d_model + n_layer*(2*d_model*hidden + hidden + 3*d_model) + 2*d_model
 SIZES = {
-    "10m": {"vocab_size": 256, "d_model": 512, "hidden": 2048, "n_layer": 5},     # 10,766,848
-    "50m": {"vocab_size": 256, "d_model": 1024, "hidden": 4096, "n_layer": 6},    # 50,900,992
+    "10m": {"vocab_size": 256, "d_model": 512, "hidden": 2048, "n_layer": 5},  # 10,766,848
+    "50m": {"vocab_size": 256, "d_model": 1024, "hidden": 4096, "n_layer": 6},  # 50,900,992
     "200m": {"vocab_size": 256, "d_model": 1024, "hidden": 4096, "n_layer": 24},  # 202,024,960
 }
 MODES = {  # name -> checkpoint overrides
@@ -105,9 +109,18 @@ THROUGHPUT_TARGET = 0.8  # sharded MB/s / torch.save MB/s
 def compose_configs(size: str, ranks: int, ckpt_root: Path) -> dict[str, dict]:
     """One resolved config per mode, identical but for `checkpoint.*`."""
     shape = SIZES[size]
-    base = ["model=mlp", *(f"model.{k}={v}" for k, v in shape.items()), "optimizer=adam", "averager=none",
-            "sharding=full_shard", "wandb.mode=disabled", "train.batch_size=2", "train.seq_len=16",
-            "dist.threads_per_rank=1", f"launcher.nproc={ranks}"]
+    base = [
+        "model=mlp",
+        *(f"model.{k}={v}" for k, v in shape.items()),
+        "optimizer=adam",
+        "averager=none",
+        "sharding=full_shard",
+        "wandb.mode=disabled",
+        "train.batch_size=2",
+        "train.seq_len=16",
+        "dist.threads_per_rank=1",
+        f"launcher.nproc={ranks}",
+    ]
     cfgs = {}
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         for mode, overrides in MODES.items():
@@ -116,7 +129,7 @@ def compose_configs(size: str, ranks: int, ckpt_root: Path) -> dict[str, dict]:
                 validate(cfg, ranks, visible_gpus())
             except ConfigError as e:
                 raise SystemExit(f"bench/checkpoint.py: the config cannot run:\n\n{e}") from None
-            cfgs[mode] = OmegaConf.to_container(cfg, resolve=True)
+            cfgs[mode] = plain(cfg)
     return cfgs
 
 
@@ -162,9 +175,16 @@ def worker(cfgs: dict[str, dict], rounds: int, work_dir: str) -> dict | None:
         job.model(inputs, targets).backward()
         job.optimizer.step()
         job.optimizer.zero_grad(set_to_none=True)
-        extra = checkpoint_state(job)
-        checkpointers = {mode: Checkpointer(OmegaConf.create(c), run_dir, env.rank, env.device)
-                         for mode, c in cfgs.items()}
+        checkpointers = {
+            mode: Checkpointer(
+                OmegaConf.create(c).checkpoint,
+                checkpoint_dir(OmegaConf.create(c).checkpoint, run_dir),
+                env.rank,
+                env.device,
+                c,
+            )
+            for mode, c in cfgs.items()
+        }
 
         # The limit's payload: what full mode writes to full.pt, gathered once onto rank 0 (untimed).
         model_sd, optim_sd = get_state_dict(job.model, inner_optimizer(job.optimizer))
@@ -176,23 +196,31 @@ def worker(cfgs: dict[str, dict], rounds: int, work_dir: str) -> dict | None:
         results = {name: [] for name in names}
         orders = []
         for r in range(rounds):
-            order = names[r % len(names):] + names[:r % len(names)]
+            order = names[r % len(names) :] + names[: r % len(names)]
             orders.append(order)
             for name in order:
                 dist.barrier()
                 if name == LIMIT:
                     if env.is_main:
                         seconds, nbytes = torch_save_limit(full_state, limit_file)
-                        results[name].append({"state_dict_s": 0.0, "save_s": seconds, "staging_wait_s": 0.0,
-                                              "blocked_s": seconds, "durable_s": seconds, "step_s": 0.0,
-                                              "bytes": nbytes})
+                        results[name].append(
+                            {
+                                "state_dict_s": 0.0,
+                                "save_s": seconds,
+                                "staging_wait_s": 0.0,
+                                "blocked_s": seconds,
+                                "durable_s": seconds,
+                                "step_s": 0.0,
+                                "bytes": nbytes,
+                            }
+                        )
                         limit_file.unlink()
                     continue
                 ckpt = checkpointers[name]
-                row = ckpt.save(job, r + 1, extra)
+                row = ckpt.save(job, r + 1)
                 done_at = []  # when the async write's future completed (the commit is still to come)
                 if ckpt.async_save:
-                    ckpt.pending.written.add_done_callback(lambda _: done_at.append(time.perf_counter()))
+                    ckpt.pending.written.add_done_callback(lambda _, at=done_at: at.append(time.perf_counter()))
                     started = ckpt.pending.started
                 # One training step, in the loop's order (harness/loop.py train()), after every mode's save,
                 # so each round trains the same number of steps; only the async save is still in flight here.
@@ -212,14 +240,24 @@ def worker(cfgs: dict[str, dict], rounds: int, work_dir: str) -> dict | None:
                     staging_wait = 0.0
                     durable = row["checkpoint/save_s"]
                 save_s = row["checkpoint/save_s"]
-                slowest = torch.tensor([row["checkpoint/state_dict_s"], save_s, staging_wait, save_s + staging_wait,
-                                        durable, step_s], dtype=torch.float64)
+                slowest = torch.tensor(
+                    [row["checkpoint/state_dict_s"], save_s, staging_wait, save_s + staging_wait, durable, step_s],
+                    dtype=torch.float64,
+                )
                 dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
                 if env.is_main:
                     state_dict_s, save_s, staging_wait_s, blocked_s, durable_s, step_s = slowest.tolist()
-                    results[name].append({"state_dict_s": state_dict_s, "save_s": save_s,
-                                          "staging_wait_s": staging_wait_s, "blocked_s": blocked_s,
-                                          "durable_s": durable_s, "step_s": step_s, "bytes": row["checkpoint/bytes"]})
+                    results[name].append(
+                        {
+                            "state_dict_s": state_dict_s,
+                            "save_s": save_s,
+                            "staging_wait_s": staging_wait_s,
+                            "blocked_s": blocked_s,
+                            "durable_s": durable_s,
+                            "step_s": step_s,
+                            "bytes": row["checkpoint/bytes"],
+                        }
+                    )
                     shutil.rmtree(ckpt.root)  # untimed: keeps the disk to one checkpoint at a time
             dist.barrier()
         for ckpt in checkpointers.values():
@@ -228,9 +266,15 @@ def worker(cfgs: dict[str, dict], rounds: int, work_dir: str) -> dict | None:
         peak_rss = [None] * env.world_size
         dist.all_gather_object(peak_rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
         if env.is_main:
-            return {"params": sum(p.numel() for p in job.model.parameters()), "results": results,
-                    "orders": orders, "peak_rss": peak_rss, "threads": torch.get_num_threads(),
-                    "backend": dist.get_backend(), "device": str(env.device)}
+            return {
+                "params": sum(p.numel() for p in job.model.parameters()),
+                "results": results,
+                "orders": orders,
+                "peak_rss": peak_rss,
+                "threads": torch.get_num_threads(),
+                "backend": dist.get_backend(),
+                "device": str(env.device),
+            }
         return None
     finally:
         teardown()
@@ -243,9 +287,10 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
     """Medians per measured name; MB/s is per round, then the median."""
     out = {}
     for name, rows in runs.items():
-        out[name] = {key: statistics.median(r[key] for r in rows)
-                     for key in ("state_dict_s", "save_s", "staging_wait_s", "blocked_s", "durable_s", "step_s",
-                                 "bytes")}
+        out[name] = {
+            key: statistics.median(r[key] for r in rows)
+            for key in ("state_dict_s", "save_s", "staging_wait_s", "blocked_s", "durable_s", "step_s", "bytes")
+        }
         out[name]["mb_s"] = statistics.median(r["bytes"] / 1e6 / r["durable_s"] for r in rows)
         out[name]["durable_range"] = (min(r["durable_s"] for r in rows), max(r["durable_s"] for r in rows))
     return out
@@ -266,14 +311,18 @@ def step_times(c: dict) -> tuple[float, float]:
 
 
 def print_report(configs: list[dict], rounds: int) -> None:
-    header = (f"{'size':>5} {'params':>12} {'ranks':>5} {'mode':<14} {'state_dict s':>12} {'save s':>8} "
-              f"{'stg wait s':>10} {'blocked s':>10} {'durable s':>10} {'durable min-max':>16} {'GB':>6} "
-              f"{'MB/s':>7} {'vs limit':>8} {'fwd+bwd s':>9}")
+    header = (
+        f"{'size':>5} {'params':>12} {'ranks':>5} {'mode':<14} {'state_dict s':>12} {'save s':>8} "
+        f"{'stg wait s':>10} {'blocked s':>10} {'durable s':>10} {'durable min-max':>16} {'GB':>6} "
+        f"{'MB/s':>7} {'vs limit':>8} {'fwd+bwd s':>9}"
+    )
     print(f"\nmedians over {rounds} round(s), each column on its own; times are the slowest rank's; GB = 1e9 bytes")
-    print("save s = checkpoint/save_s (time inside save()); stg wait s = checkpoint/staging_wait_s (async: the wait\n"
-          "for the staging copy before optimizer.step()); blocked s = the loop's blocked time, save s + stg wait s\n"
-          "per round; fwd+bwd s = the next training step's forward + backward + grad clip, right after save()\n"
-          "returned (async: with the save in flight)\n")
+    print(
+        "save s = checkpoint/save_s (time inside save()); stg wait s = checkpoint/staging_wait_s (async: the wait\n"
+        "for the staging copy before optimizer.step()); blocked s = the loop's blocked time, save s + stg wait s\n"
+        "per round; fwd+bwd s = the next training step's forward + backward + grad clip, right after save()\n"
+        "returned (async: with the save in flight)\n"
+    )
     print(header)
     print("-" * len(header))
     for c in configs:
@@ -286,47 +335,61 @@ def print_report(configs: list[dict], rounds: int) -> None:
             wait = f"{m['staging_wait_s']:.3f}" if name == "sharded+async" else "-"
             step = "-" if name == LIMIT else f"{m['step_s']:.3f}"
             ranks = "1" if name == LIMIT else str(c["ranks"])
-            print(f"{c['size']:>5} {c['params']:>12,} {ranks:>5} {name:<14} {sd:>12} {m['save_s']:>8.3f} {wait:>10} "
-                  f"{m['blocked_s']:>10.3f} {m['durable_s']:>10.3f} {f'{lo:.2f}-{hi:.2f}':>16} "
-                  f"{m['bytes'] / 1e9:>6.2f} {m['mb_s']:>7.0f} {m['mb_s'] / limit:>8.2f} {step:>9}")
+            print(
+                f"{c['size']:>5} {c['params']:>12,} {ranks:>5} {name:<14} {sd:>12} {m['save_s']:>8.3f} {wait:>10} "
+                f"{m['blocked_s']:>10.3f} {m['durable_s']:>10.3f} {f'{lo:.2f}-{hi:.2f}':>16} "
+                f"{m['bytes'] / 1e9:>6.2f} {m['mb_s']:>7.0f} {m['mb_s'] / limit:>8.2f} {step:>9}"
+            )
         print()
 
-    print(f"async save, loop blocked time (save_s + staging_wait_s) / synchronous sharded save_s "
-          f"(target <= {ASYNC_TARGET:.0%}):")
+    print(
+        f"async save, loop blocked time (save_s + staging_wait_s) / synchronous sharded save_s "
+        f"(target <= {ASYNC_TARGET:.0%}):"
+    )
     for c in configs:
         s = c["summary"]
         a = s["sharded+async"]
         ratio = a["blocked_s"] / s["sharded"]["blocked_s"]
-        print(f"  {c['size']:>5} x {c['ranks']} ranks: {a['blocked_s']:.3f} s (save {a['save_s']:.3f} + staging wait "
-              f"{a['staging_wait_s']:.3f}) / {s['sharded']['blocked_s']:.3f} s = {ratio:6.1%}  "
-              f"{verdict(ratio <= ASYNC_TARGET)}   (of which state_dict {a['state_dict_s']:.3f} s)")
+        print(
+            f"  {c['size']:>5} x {c['ranks']} ranks: {a['blocked_s']:.3f} s (save {a['save_s']:.3f} + staging wait "
+            f"{a['staging_wait_s']:.3f}) / {s['sharded']['blocked_s']:.3f} s = {ratio:6.1%}  "
+            f"{verdict(ratio <= ASYNC_TARGET)}   (of which state_dict {a['state_dict_s']:.3f} s)"
+        )
 
-    print("\nhidden cost of the async save: forward+backward(+clip) of the step with the save in flight vs with\n"
-          "none in flight (median of the steps after the full and sharded saves); and blocked + that slowdown\n"
-          "against the synchronous sharded save_s:")
+    print(
+        "\nhidden cost of the async save: forward+backward(+clip) of the step with the save in flight vs with\n"
+        "none in flight (median of the steps after the full and sharded saves); and blocked + that slowdown\n"
+        "against the synchronous sharded save_s:"
+    )
     for c in configs:
         s = c["summary"]
         base, busy = step_times(c)
         extra = busy - base
         total = s["sharded+async"]["blocked_s"] + extra
-        print(f"  {c['size']:>5} x {c['ranks']} ranks: {busy:.3f} s vs {base:.3f} s = {busy / base - 1:+6.0%} "
-              f"({extra:+.3f} s); blocked + slowdown {total:.3f} s = {total / s['sharded']['blocked_s']:6.1%} "
-              f"of the sync sharded save")
+        print(
+            f"  {c['size']:>5} x {c['ranks']} ranks: {busy:.3f} s vs {base:.3f} s = {busy / base - 1:+6.0%} "
+            f"({extra:+.3f} s); blocked + slowdown {total:.3f} s = {total / s['sharded']['blocked_s']:6.1%} "
+            f"of the sync sharded save"
+        )
 
     print(f"\nsharded throughput / single-process torch.save + fsync (target >= {THROUGHPUT_TARGET}):")
     for c in configs:
         s = c["summary"]
         ratio = s["sharded"]["mb_s"] / s[LIMIT]["mb_s"]
         async_ratio = s["sharded+async"]["mb_s"] / s[LIMIT]["mb_s"]
-        print(f"  {c['size']:>5} x {c['ranks']} ranks: {s['sharded']['mb_s']:.0f} / {s[LIMIT]['mb_s']:.0f} MB/s = "
-              f"{ratio:.2f}  {verdict(ratio >= THROUGHPUT_TARGET)}   (async, start to durable: {async_ratio:.2f})")
+        print(
+            f"  {c['size']:>5} x {c['ranks']} ranks: {s['sharded']['mb_s']:.0f} / {s[LIMIT]['mb_s']:.0f} MB/s = "
+            f"{ratio:.2f}  {verdict(ratio >= THROUGHPUT_TARGET)}   (async, start to durable: {async_ratio:.2f})"
+        )
 
     print("\nfull mode: consolidation (state_dict_s, gather onto rank 0) and its share of the full save:")
     for c in configs:
         f = c["summary"]["full"]
-        print(f"  {c['size']:>5} x {c['ranks']} ranks: {f['state_dict_s']:.3f} s of {f['durable_s']:.3f} s "
-              f"({f['state_dict_s'] / f['durable_s']:.0%}), {f['bytes'] / 1e9 / f['state_dict_s']:.2f} GB/s gathered;"
-              f" sharded state_dict {c['summary']['sharded']['state_dict_s']:.3f} s")
+        print(
+            f"  {c['size']:>5} x {c['ranks']} ranks: {f['state_dict_s']:.3f} s of {f['durable_s']:.3f} s "
+            f"({f['state_dict_s'] / f['durable_s']:.0%}), {f['bytes'] / 1e9 / f['state_dict_s']:.2f} GB/s gathered;"
+            f" sharded state_dict {c['summary']['sharded']['state_dict_s']:.3f} s"
+        )
 
     print("\npeak RSS per rank (GB, rank 0 holds the limit's full copy of the state):")
     for c in configs:
@@ -366,8 +429,10 @@ def main() -> None:
     print(f"machine:  {cpus} cores, {mem_gb:.0f} GB RAM, {platform.platform()}, Python {platform.python_version()}")
     print(f"torch:    {torch.__version__}")
     print(f"disk:     {root} on {fs_type(root)}, {shutil.disk_usage(root).free / 1e9:.0f} GB free")
-    print("setup:    model=mlp, optimizer=adam (state after one step), averager=none, sharding=full_shard, "
-          "batch 2x16, dist.threads_per_rank=1")
+    print(
+        "setup:    model=mlp, optimizer=adam (state after one step), averager=none, sharding=full_shard, "
+        "batch 2x16, dist.threads_per_rank=1"
+    )
 
     configs = []
     try:
@@ -378,20 +443,40 @@ def main() -> None:
                 params = parameter_count(cfgs["full"])
                 need = 2 * 12 * params  # one checkpoint + the limit file, fp32 params + 2 Adam moments
                 if shutil.disk_usage(root).free < 1.2 * need:
-                    raise SystemExit(f"bench/checkpoint.py: {size} needs ~{need / 1e9:.1f} GB free under {root}; "
-                                     "pass --dir on a larger disk")
+                    raise SystemExit(
+                        f"bench/checkpoint.py: {size} needs ~{need / 1e9:.1f} GB free under {root}; "
+                        "pass --dir on a larger disk"
+                    )
                 print(f"\n== {size} ({params:,} parameters) x {ranks} ranks: {args.rounds} round(s) ==", flush=True)
-                launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=ranks, rdzv_backend="c10d",
-                                      rdzv_endpoint="localhost:0", run_id=f"bench-{uuid.uuid4().hex[:8]}",
-                                      max_restarts=0, monitor_interval=0.1,
-                                      start_method=start_method(OmegaConf.create(cfgs["full"])))
+                launch = LaunchConfig(
+                    min_nodes=1,
+                    max_nodes=1,
+                    nproc_per_node=ranks,
+                    rdzv_backend="c10d",
+                    rdzv_endpoint="localhost:0",
+                    run_id=f"bench-{uuid.uuid4().hex[:8]}",
+                    max_restarts=0,
+                    monitor_interval=0.1,
+                    start_method=start_method(OmegaConf.create(cfgs["full"])),
+                )
                 start = time.perf_counter()
                 out = elastic_launch(launch, worker)(cfgs, args.rounds, str(work))[0]
                 shutil.rmtree(work, ignore_errors=True)
-                print(f"   done in {time.perf_counter() - start:.0f} s; round orders: "
-                      + " | ".join(",".join(o) for o in out["orders"]), flush=True)
-                configs.append({"size": size, "ranks": ranks, "params": out["params"], "peak_rss": out["peak_rss"],
-                                "summary": summarize(out["results"]), "runs": out["results"]})
+                print(
+                    f"   done in {time.perf_counter() - start:.0f} s; round orders: "
+                    + " | ".join(",".join(o) for o in out["orders"]),
+                    flush=True,
+                )
+                configs.append(
+                    {
+                        "size": size,
+                        "ranks": ranks,
+                        "params": out["params"],
+                        "peak_rss": out["peak_rss"],
+                        "summary": summarize(out["results"]),
+                        "runs": out["results"],
+                    }
+                )
     finally:
         tmp.cleanup()
     print(f"\nranks:    backend {out['backend']}, device {out['device']}, {out['threads']} thread(s) per rank")

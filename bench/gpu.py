@@ -52,22 +52,38 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from harness.checkpoint import Checkpointer  # noqa: E402
-from harness.config import ConfigError, register_configs, validate  # noqa: E402
+from harness.checkpoint import Checkpointer, checkpoint_dir  # noqa: E402
+from harness.config import ConfigError, plain, register_configs  # noqa: E402
 from harness.data import build_data  # noqa: E402
 from harness.dist import init_distributed, resolve_device, synchronize, teardown, visible_gpus  # noqa: E402
+from harness.job import build_job  # noqa: E402
 from harness.launch import setup_logging, start_method  # noqa: E402
-from harness.loop import TrainState, build_job, train  # noqa: E402
+from harness.loop import TrainState, train  # noqa: E402
 from harness.metrics import MetricsSink, peak_flops  # noqa: E402
 from harness.models import build_model, materialize  # noqa: E402
 from harness.optim import build_optimizer, clip_grad_norm_  # noqa: E402
 from harness.sharding import RESHARD_AFTER_FORWARD, compile_blocks, resolve_dtype  # noqa: E402
+from harness.validate import validate  # noqa: E402
 
 # The 163M GPT of the issue on a GPU; on CPU a tiny GPT, so that a run with compiling ends in minutes on 2 cores.
-CUDA_DEFAULTS = ["model=gpt", "model.n_layer=12", "model.n_head=12", "model.d_model=768", "model.vocab_size=50304",
-                 "train.batch_size=16", "train.seq_len=1024"]
-CPU_DEFAULTS = ["model=gpt", "model.n_layer=2", "model.d_model=64", "model.n_head=4", "train.batch_size=4",
-                "train.seq_len=64", "dist.threads_per_rank=1"]
+CUDA_DEFAULTS = [
+    "model=gpt",
+    "model.n_layer=12",
+    "model.n_head=12",
+    "model.d_model=768",
+    "model.vocab_size=50304",
+    "train.batch_size=16",
+    "train.seq_len=1024",
+]
+CPU_DEFAULTS = [
+    "model=gpt",
+    "model.n_layer=2",
+    "model.d_model=64",
+    "model.n_head=4",
+    "train.batch_size=4",
+    "train.seq_len=64",
+    "dist.threads_per_rank=1",
+]
 FSDP_STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "hybrid_shard_zero2", "no_shard")
 OVERHEAD_TARGET, PLAIN_TARGET, MFU_TARGET = 1.05, 1.0, 0.45
 
@@ -88,9 +104,11 @@ def compose_config(args: argparse.Namespace):
     except ConfigError as e:
         raise SystemExit(f"bench/gpu.py: the config cannot run:\n\n{e}") from None
     if cfg.sharding.strategy not in FSDP_STRATEGIES or cfg.averager.name != "none":
-        raise SystemExit(f"bench/gpu.py: the minimal loop is synchronous FSDP2: sharding must be one of "
-                         f"{', '.join(FSDP_STRATEGIES)} and averager=none (got sharding={cfg.sharding.strategy}, "
-                         f"averager={cfg.averager.name})")
+        raise SystemExit(
+            f"bench/gpu.py: the minimal loop is synchronous FSDP2: sharding must be one of "
+            f"{', '.join(FSDP_STRATEGIES)} and averager=none (got sharding={cfg.sharding.strategy}, "
+            f"averager={cfg.averager.name})"
+        )
     return cfg
 
 
@@ -100,7 +118,9 @@ def build_harness(cfg, env, run_dir: Path, compiled: bool):
     job = build_job(cfg, env)
     sink = MetricsSink(run_dir, cfg.wandb, {}, enabled=False)
     train_cfg, state = cfg.train.copy(), TrainState()
-    checkpointer = Checkpointer(cfg, run_dir, env.rank, env.device)  # checkpoint=none: only its per-step checks
+    checkpointer = Checkpointer(
+        cfg.checkpoint, checkpoint_dir(cfg.checkpoint, run_dir), env.rank, env.device, plain(cfg)
+    )  # checkpoint=none: only its per-step checks
 
     def steps(n: int) -> None:
         train_cfg.steps = state.step + n
@@ -118,15 +138,24 @@ def build_minimal(cfg, mesh, env, compiled: bool):
     fsdp_mesh = mesh if mesh["replicate"].size() > 1 else mesh["shard"]
     policy = MixedPrecisionPolicy(
         param_dtype=resolve_dtype(cfg.sharding.param_dtype, device, low_precision_on_cuda=True),
-        reduce_dtype=resolve_dtype(cfg.sharding.reduce_dtype, device, low_precision_on_cuda=False))
+        reduce_dtype=resolve_dtype(cfg.sharding.reduce_dtype, device, low_precision_on_cuda=False),
+    )
     reshard = RESHARD_AFTER_FORWARD[cfg.sharding.strategy]
     for block in model.blocks:
         fully_shard(block, mesh=fsdp_mesh, reshard_after_forward=reshard, mp_policy=policy)
     fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=reshard, mp_policy=policy)
     materialize(model, device, cfg.train.seed)
     optimizer = build_optimizer(cfg.optimizer, model, device)  # same class, hyperparameters and fused choice
-    data = build_data(cfg.data, cfg.model.vocab_size, cfg.train.batch_size, cfg.train.seq_len, cfg.train.seed,
-                      env.rank, env.world_size, device)
+    data = build_data(
+        cfg.data,
+        cfg.model.vocab_size,
+        cfg.train.batch_size,
+        cfg.train.seq_len,
+        cfg.train.seed,
+        env.rank,
+        env.world_size,
+        device,
+    )
     max_norm = cfg.train.grad_clip
 
     def steps(n: int) -> None:
@@ -150,8 +179,16 @@ def build_plain(cfg, env, compiled: bool):
     optimizer = build_optimizer(cfg.optimizer, model, device)  # fused on CUDA (optimizer.fused=null)
     forward = torch.compile(model) if compiled else model  # the whole model: no FSDP hooks to keep outside
     # its own rank's batches, the same as the sharded paths see, without any gradient exchange
-    data = build_data(cfg.data, cfg.model.vocab_size, cfg.train.batch_size, cfg.train.seq_len, cfg.train.seed,
-                      env.rank, env.world_size, device)
+    data = build_data(
+        cfg.data,
+        cfg.model.vocab_size,
+        cfg.train.batch_size,
+        cfg.train.seq_len,
+        cfg.train.seed,
+        env.rank,
+        env.world_size,
+        device,
+    )
     max_norm = cfg.train.grad_clip
 
     def steps(n: int) -> None:
@@ -192,13 +229,14 @@ def worker(cfg_dict: dict, rounds: int, steps_per_round: int, compiled: bool, co
             jobs[suffix], paths["harness" + suffix] = build_harness(cfg, env, Path(run_dir.name), comp)
             models["harness" + suffix] = jobs[suffix].model
             models["minimal FSDP2" + suffix], paths["minimal FSDP2" + suffix] = build_minimal(
-                cfg, jobs[suffix].mesh, env, comp)
+                cfg, jobs[suffix].mesh, env, comp
+            )
             models["plain" + suffix], paths["plain" + suffix] = build_plain(cfg, env, comp)
 
         names = list(paths)
         times = {name: [] for name in names}
         for r in range(rounds):
-            order = names[r % len(names):] + names[:r % len(names)]  # each path takes its turn first
+            order = names[r % len(names) :] + names[: r % len(names)]  # each path takes its turn first
             for name in order:
                 synchronize(env.device)
                 dist.barrier()
@@ -208,14 +246,28 @@ def worker(cfg_dict: dict, rounds: int, steps_per_round: int, compiled: bool, co
                 dist.barrier()
                 times[name].append((time.perf_counter() - start) / steps_per_round)
 
-        diffs = {suffix: max_abs_diff(models["harness" + suffix], models["minimal FSDP2" + suffix], env.device)
-                 for suffix, _ in variants}
+        diffs = {
+            suffix: max_abs_diff(models["harness" + suffix], models["minimal FSDP2" + suffix], env.device)
+            for suffix, _ in variants
+        }
         if env.is_main:
             job = jobs[""]
-            device_name = (torch.cuda.get_device_name() if env.device.type == "cuda"
-                           else f"cpu, {torch.get_num_threads()} thread(s)")
-            report(cfg, env, job, times, diffs, steps_per_round, command, device_name,
-                   peak_flops(env.device, cfg.train.peak_tflops))
+            device_name = (
+                torch.cuda.get_device_name()
+                if env.device.type == "cuda"
+                else f"cpu, {torch.get_num_threads()} thread(s)"
+            )
+            report(
+                cfg,
+                env,
+                job,
+                times,
+                diffs,
+                steps_per_round,
+                command,
+                device_name,
+                peak_flops(env.device, cfg.train.peak_tflops),
+            )
         dist.barrier()  # no rank tears down while rank 0 still reports
     finally:
         teardown()
@@ -237,12 +289,16 @@ def report(cfg, env, job, times, diffs, steps_per_round, command, device_name, p
     print(f"torch:    {torch.__version__}, backend {dist.get_backend()}")
     print(f"device:   {device_name}; peak {'n/a' if peak is None else f'{peak / 1e12:.0f} TFLOP/s'} per device")
     print(f"nproc:    {env.world_size}, mesh {dict(zip(job.mesh.mesh_dim_names, job.mesh.shape))}")
-    print(f"model:    {', '.join(f'{k}={v}' for k, v in cfg.model.items())} -> {params:,} parameters, "
-          f"{job.flops_per_token / 1e6:.1f} MFLOP/token")
-    print(f"setup:    sharding={cfg.sharding.strategy}, compute {str(dtype)[6:]}, reduce {str(reduce)[6:]}, "
-          f"{opt._target_.rsplit('.', 1)[-1]} lr={opt.lr} wd={opt.weight_decay} "
-          f"fused={job.optimizer.defaults.get('fused')}, grad_clip={cfg.train.grad_clip}, batch "
-          f"{cfg.train.batch_size}x{cfg.train.seq_len} per rank, data={cfg.data.name}, log_every={cfg.train.log_every}")
+    print(
+        f"model:    {', '.join(f'{k}={v}' for k, v in cfg.model.items())} -> {params:,} parameters, "
+        f"{job.flops_per_token / 1e6:.1f} MFLOP/token"
+    )
+    print(
+        f"setup:    sharding={cfg.sharding.strategy}, compute {str(dtype)[6:]}, reduce {str(reduce)[6:]}, "
+        f"{opt._target_.rsplit('.', 1)[-1]} lr={opt.lr} wd={opt.weight_decay} "
+        f"fused={job.optimizer.defaults.get('fused')}, grad_clip={cfg.train.grad_clip}, batch "
+        f"{cfg.train.batch_size}x{cfg.train.seq_len} per rank, data={cfg.data.name}, log_every={cfg.train.log_every}"
+    )
     rounds = len(next(iter(times.values())))
     print(f"rounds:   {rounds} x {steps_per_round} steps per path, round 0 = warm-up (compiles), order rotated\n")
 
@@ -253,32 +309,43 @@ def report(cfg, env, job, times, diffs, steps_per_round, command, device_name, p
         tps = tokens_per_step / medians[name]
         mfu[name] = None if peak is None else tps / env.world_size * job.flops_per_token / peak
         rounds_ms = " ".join(f"{x * 1e3:.1f}" for x in t)
-        print(f"{name:<22} {medians[name] * 1e3:>9.2f} {tps:>11,.0f} "
-              f"{'n/a' if mfu[name] is None else f'{mfu[name]:.3f}':>6}   {rounds_ms}")
+        print(
+            f"{name:<22} {medians[name] * 1e3:>9.2f} {tps:>11,.0f} "
+            f"{'n/a' if mfu[name] is None else f'{mfu[name]:.3f}':>6}   {rounds_ms}"
+        )
 
     print()
     for suffix, diff in diffs.items():
         kind = "compiled" if suffix else "eager"
-        print(f"final parameters ({kind}): max |harness - minimal FSDP2| = {diff:.3g}"
-              f"{' (identical)' if diff == 0 else ''}")
+        print(
+            f"final parameters ({kind}): max |harness - minimal FSDP2| = {diff:.3g}"
+            f"{' (identical)' if diff == 0 else ''}"
+        )
     print()
     checks = [("harness / minimal FSDP2 (eager, identical settings)", "", "<=", OVERHEAD_TARGET)]
     if "harness+compile" in times:
-        checks.append(("harness+compile / minimal FSDP2+compile (identical settings)", "+compile", "<=",
-                       OVERHEAD_TARGET))
+        checks.append(
+            ("harness+compile / minimal FSDP2+compile (identical settings)", "+compile", "<=", OVERHEAD_TARGET)
+        )
     for label, suffix, _, target in checks:
         ratio = median_ratio(times["harness" + suffix], times["minimal FSDP2" + suffix])
-        print(f"{label}: step-time ratio {ratio:.3f} (median of per-round ratios), target <= {target} "
-              f"{'ok' if ratio <= target else 'ABOVE TARGET'}")
+        print(
+            f"{label}: step-time ratio {ratio:.3f} (median of per-round ratios), target <= {target} "
+            f"{'ok' if ratio <= target else 'ABOVE TARGET'}"
+        )
     best = min((n for n in ("harness", "harness+compile") if n in times), key=medians.get)
     ratio = median_ratio(times["plain"], times[best])  # throughput ratio = inverse step-time ratio
-    print(f"best harness throughput / plain eager throughput: {ratio:.3f} (best = {best}), target >= "
-          f"{PLAIN_TARGET} {'ok' if ratio >= PLAIN_TARGET else 'BELOW TARGET'}")
+    print(
+        f"best harness throughput / plain eager throughput: {ratio:.3f} (best = {best}), target >= "
+        f"{PLAIN_TARGET} {'ok' if ratio >= PLAIN_TARGET else 'BELOW TARGET'}"
+    )
     if "harness+compile" not in times:
         print(f"harness+compile MFU: skipped (--no-compile), target >= {MFU_TARGET}")
     elif peak is None:
-        print(f"harness+compile MFU: n/a (no peak FLOP/s for this device; give train.peak_tflops=), "
-              f"target >= {MFU_TARGET}")
+        print(
+            f"harness+compile MFU: n/a (no peak FLOP/s for this device; give train.peak_tflops=), "
+            f"target >= {MFU_TARGET}"
+        )
     else:
         value = mfu["harness+compile"]
         verdict = "ok" if value >= MFU_TARGET else "BELOW TARGET"
@@ -297,14 +364,21 @@ def main() -> None:
         parser.error("need --nproc, --rounds and --steps-per-round >= 1")
     cfg = compose_config(args)
     command = shlex.join(["python", *sys.argv])
-    worker_args = (OmegaConf.to_container(cfg, resolve=True), args.rounds + 1, args.steps_per_round,
-                   not args.no_compile, command)
+    worker_args = (plain(cfg), args.rounds + 1, args.steps_per_round, not args.no_compile, command)
     if args.nproc == 1:  # as `python train.py` runs one rank: in this process
         worker(*worker_args)
         return
-    launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=args.nproc, rdzv_backend="c10d",
-                          rdzv_endpoint="localhost:0", run_id=f"bench-{uuid.uuid4().hex[:8]}", max_restarts=0,
-                          start_method=start_method(cfg), monitor_interval=0.1)
+    launch = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=args.nproc,
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        run_id=f"bench-{uuid.uuid4().hex[:8]}",
+        max_restarts=0,
+        start_method=start_method(cfg),
+        monitor_interval=0.1,
+    )
     elastic_launch(launch, worker)(*worker_args)
 
 

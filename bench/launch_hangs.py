@@ -38,9 +38,17 @@ def join_and_leave(timeout_s: float) -> None:
 
 
 def launch_with_agent(nproc: int, timeout_s: float) -> bool:
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex[:8],
-                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, start_method="fork",
-                          monitor_interval=0.1)
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=uuid.uuid4().hex[:8],
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        start_method="fork",
+        monitor_interval=0.1,
+    )
     try:
         elastic_launch(config, join_and_leave)(timeout_s)
         return True
@@ -69,8 +77,10 @@ def main() -> None:
             else:
                 hangs += 1
         launches = len(times) + hangs
-        print(f"{mode:8} {launches:9d} {hangs:6d} {100 * hangs / launches:8.2f} {statistics.median(times):9.2f}",
-              flush=True)
+        print(
+            f"{mode:8} {launches:9d} {hangs:6d} {100 * hangs / launches:8.2f} {statistics.median(times):9.2f}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

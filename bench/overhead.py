@@ -39,17 +39,22 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from harness.checkpoint import Checkpointer  # noqa: E402
-from harness.config import ConfigError, register_configs, validate  # noqa: E402
-from harness.dist import visible_gpus  # noqa: E402
+from harness.checkpoint import Checkpointer, checkpoint_dir  # noqa: E402
+from harness.config import ConfigError, plain, register_configs  # noqa: E402
 from harness.data import build_data  # noqa: E402
-from harness.dist import init_distributed, teardown  # noqa: E402
+from harness.dist import (  # noqa: E402
+    init_distributed,
+    teardown,
+    visible_gpus,  # noqa: E402
+)
+from harness.job import build_job  # noqa: E402
 from harness.launch import setup_logging, start_method  # noqa: E402
-from harness.loop import TrainState, build_job, train  # noqa: E402
+from harness.loop import TrainState, train  # noqa: E402
 from harness.metrics import MetricsSink  # noqa: E402
 from harness.models import build_model, materialize  # noqa: E402
 from harness.optim import clip_grad_norm_  # noqa: E402
 from harness.sharding import RESHARD_AFTER_FORWARD  # noqa: E402
+from harness.validate import validate  # noqa: E402
 
 FSDP_STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "hybrid_shard_zero2", "no_shard")
 TARGET = 1.03
@@ -57,9 +62,16 @@ TARGET = 1.03
 
 def compose_config(args: argparse.Namespace):
     register_configs()
-    overrides = [f"model={args.model}", f"sharding={args.strategy}", "averager=none", "wandb.mode=disabled",
-                 "sharding.param_dtype=float32", "sharding.reduce_dtype=float32", f"launcher.nproc={args.nproc}",
-                 *args.overrides]
+    overrides = [
+        f"model={args.model}",
+        f"sharding={args.strategy}",
+        "averager=none",
+        "wandb.mode=disabled",
+        "sharding.param_dtype=float32",
+        "sharding.reduce_dtype=float32",
+        f"launcher.nproc={args.nproc}",
+        *args.overrides,
+    ]
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         cfg = compose("config", overrides=overrides)
     try:
@@ -72,7 +84,7 @@ def compose_config(args: argparse.Namespace):
 
 
 def build_minimal(cfg, mesh, device):
-    """The hand-written counterpart of `harness.loop.build_job` (model, FSDP2, AdamW, data)."""
+    """The hand-written counterpart of `harness.job.build_job` (model, FSDP2, AdamW, data)."""
     model = build_model(cfg.model, cfg.train.seq_len)
     fsdp_mesh = mesh if mesh["replicate"].size() > 1 else mesh["shard"]
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
@@ -82,10 +94,19 @@ def build_minimal(cfg, mesh, device):
     fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=reshard, mp_policy=fp32)
     materialize(model, device, cfg.train.seed)
     opt = cfg.optimizer
-    optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
-                                  weight_decay=opt.weight_decay)
-    data = build_data(cfg.data, cfg.model.vocab_size, cfg.train.batch_size, cfg.train.seq_len, cfg.train.seed,
-                      dist.get_rank(), dist.get_world_size(), device)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay
+    )
+    data = build_data(
+        cfg.data,
+        cfg.model.vocab_size,
+        cfg.train.batch_size,
+        cfg.train.seq_len,
+        cfg.train.seed,
+        dist.get_rank(),
+        dist.get_world_size(),
+        device,
+    )
     return model, optimizer, data
 
 
@@ -109,7 +130,9 @@ def worker(cfg_dict: dict, rounds: int, steps_per_round: int, command: str) -> N
         job = build_job(cfg, env)
         sink = MetricsSink(Path(run_dir.name), cfg.wandb, cfg_dict, enabled=False)
         train_cfg, state = cfg.train.copy(), TrainState()
-        checkpointer = Checkpointer(cfg, Path(run_dir.name), env.rank, env.device)  # checkpoint=none by default
+        checkpointer = Checkpointer(
+            cfg.checkpoint, checkpoint_dir(cfg.checkpoint, Path(run_dir.name)), env.rank, env.device, plain(cfg)
+        )  # checkpoint=none by default
 
         # (b) the minimal path, on the same mesh
         m_model, m_optimizer, m_data = build_minimal(cfg, job.mesh, env.device)
@@ -153,13 +176,17 @@ def report(cfg, env, mesh, model, times, orders, steps_per_round, command, diff)
     params = sum(p.numel() for p in model.parameters())  # DTensor numel is the full (global) size
     model_desc = ", ".join(f"{k}={v}" for k, v in cfg.model.items())
     print(f"\ncommand:  {command}")
-    print(f"torch:    {torch.__version__}, backend {dist.get_backend()}, device {env.device}, "
-          f"{torch.get_num_threads()} thread(s) per rank")
+    print(
+        f"torch:    {torch.__version__}, backend {dist.get_backend()}, device {env.device}, "
+        f"{torch.get_num_threads()} thread(s) per rank"
+    )
     print(f"nproc:    {env.world_size}, mesh {dict(zip(mesh.mesh_dim_names, mesh.shape))}")
     print(f"model:    {model_desc} -> {params:,} parameters")
-    print(f"setup:    sharding={cfg.sharding.strategy} (fp32), AdamW lr={cfg.optimizer.lr} "
-          f"wd={cfg.optimizer.weight_decay}, grad_clip={cfg.train.grad_clip}, batch {cfg.train.batch_size}x"
-          f"{cfg.train.seq_len} per rank, data={cfg.data.name}, harness log_every={cfg.train.log_every}")
+    print(
+        f"setup:    sharding={cfg.sharding.strategy} (fp32), AdamW lr={cfg.optimizer.lr} "
+        f"wd={cfg.optimizer.weight_decay}, grad_clip={cfg.train.grad_clip}, batch {cfg.train.batch_size}x"
+        f"{cfg.train.seq_len} per rank, data={cfg.data.name}, harness log_every={cfg.train.log_every}"
+    )
     print(f"rounds:   {len(orders)} x {steps_per_round} steps per path, round 0 = warm-up\n")
     print(f"{'round':>5} {'order':>5} {'harness ms':>11} {'minimal ms':>11} {'ratio':>7}")
     ratios = []
@@ -172,10 +199,14 @@ def report(cfg, env, mesh, model, times, orders, steps_per_round, command, diff)
     print(f"\nmedian step time: harness {h_med * 1e3:.2f} ms, minimal {m_med * 1e3:.2f} ms")
     print(f"per-round ratio:  min {min(ratios):.3f}, max {max(ratios):.3f}")
     h_min, m_min = (min(times[k][1:]) for k in ("harness", "minimal"))
-    print(f"fastest round:    harness {h_min * 1e3:.2f} ms, minimal {m_min * 1e3:.2f} ms, ratio {h_min / m_min:.3f}"
-          " (least disturbed by other load)")
-    print(f"final parameters: max |harness - minimal| = {diff:.3g}"
-          f" ({'identical' if diff == 0 else 'DIFFERENT: the two paths did not do the same work'})")
+    print(
+        f"fastest round:    harness {h_min * 1e3:.2f} ms, minimal {m_min * 1e3:.2f} ms, ratio {h_min / m_min:.3f}"
+        " (least disturbed by other load)"
+    )
+    print(
+        f"final parameters: max |harness - minimal| = {diff:.3g}"
+        f" ({'identical' if diff == 0 else 'DIFFERENT: the two paths did not do the same work'})"
+    )
     median = statistics.median(ratios)
     verdict = "ok" if median <= TARGET else "ABOVE TARGET"
     print(f"overhead: median ratio harness/minimal = {median:.3f} (target <= {TARGET}) {verdict}")
@@ -193,12 +224,19 @@ def main() -> None:
     if args.rounds < 2 or args.steps_per_round < 1:
         parser.error("need --rounds >= 2 (round 0 is warm-up) and --steps-per-round >= 1")
     cfg = compose_config(args)
-    launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=args.nproc, rdzv_backend="c10d",
-                          rdzv_endpoint="localhost:0", run_id=f"bench-{uuid.uuid4().hex[:8]}", max_restarts=0,
-                          start_method=start_method(cfg), monitor_interval=0.1)
+    launch = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=args.nproc,
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        run_id=f"bench-{uuid.uuid4().hex[:8]}",
+        max_restarts=0,
+        start_method=start_method(cfg),
+        monitor_interval=0.1,
+    )
     command = " ".join(["python", *sys.argv])
-    elastic_launch(launch, worker)(OmegaConf.to_container(cfg, resolve=True), args.rounds, args.steps_per_round,
-                                   command)
+    elastic_launch(launch, worker)(plain(cfg), args.rounds, args.steps_per_round, command)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""harness: declarative post-local SGD / model averaging on FSDP2 (see README.md)."""
+"""harness: declarative post-local SGD / model averaging on FSDP2 (see README.md).
 
-from harness.loop import run
-
-__all__ = ["run"]
+Nothing is imported here, so `import harness.config` and tools such as
+`python -m harness.report` do not load torch.distributed.
+"""

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,11 @@ def true_on_every_rank(flag: torch.Tensor) -> bool:
     agreed = flag.to(torch.int32).reshape(1)
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
     return bool(agreed.item())
+
+
+def local_view(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `t`: a DTensor's local shard (a view: in-place writes land in `t`), else `t`."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def synchronize(device: torch.device) -> None:

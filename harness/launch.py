@@ -1,15 +1,16 @@
-"""How ranks come to exist: torchrun starts them, or `python train.py` forks
-`launcher.nproc` of them itself through torch's elastic multiprocessing API;
-a sweep job does the latter and keeps its failure to itself."""
+"""How ranks come to exist: torchrun starts them, or `python train.py` starts
+`launcher.nproc` of them itself (fork, or spawn for CUDA) through torch's
+elastic multiprocessing API; a sweep job does the latter and keeps its failure
+to itself. Before any rank starts, the config is checked (`check_config`)."""
 
 from __future__ import annotations
 
 import logging
 import os
-import sys
 import socket
+import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
@@ -19,11 +20,13 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_pr
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from harness.checkpoint import CheckpointError
-from harness.config import ConfigError, config_warnings, validate
+from harness.config import ConfigError, plain
 from harness.dist import agree_on_run_stamp, resolve_device, under_torchrun, visible_gpus
-from harness.loop import NonFiniteLossError, run
+from harness.loop import NonFiniteLossError, run_rank
 from harness.mesh import HYBRID, mesh_shape
+from harness.preflight import preflight
 from harness.sweep import name_wandb_run, write_result
+from harness.validate import config_warnings, validate
 
 log = logging.getLogger("harness")
 LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
@@ -40,10 +43,13 @@ def prepare_torchrun_rank(argv: list[str]) -> None:
     if under_torchrun():
         if is_multirun(argv):
             if os.environ["RANK"] == "0":
-                print("harness: `torchrun ... train.py -m` would run the whole sweep on every rank, and one failed "
-                      "job would silently pair later collectives with the wrong job. Fix: run sweeps without "
-                      f"torchrun, e.g. `python train.py -m ... launcher.nproc={os.environ['WORLD_SIZE']}`: each job "
-                      "then starts its own ranks.", file=sys.stderr)
+                print(
+                    "harness: `torchrun ... train.py -m` would run the whole sweep on every rank, and one failed "
+                    "job would silently pair later collectives with the wrong job. Fix: run sweeps without "
+                    f"torchrun, e.g. `python train.py -m ... launcher.nproc={os.environ['WORLD_SIZE']}`: each job "
+                    "then starts its own ranks.",
+                    file=sys.stderr,
+                )
             sys.exit(2)
         agree_on_run_stamp()
 
@@ -61,14 +67,19 @@ def refuse_unwritable_run_dir(argv: list[str]) -> None:
     path = Path(given[-1] if given else "outputs").expanduser().absolute()
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir() or not os.access(existing, os.W_OK):
-        print(f"harness: the run dir {str(path)!r} cannot be created: {existing} is not a writable directory. "
-              "Fix: hydra.run.dir=<a folder you can write to>.", file=sys.stderr)
+        print(
+            f"harness: the run dir {str(path)!r} cannot be created: {existing} is not a writable directory. "
+            "Fix: hydra.run.dir=<a folder you can write to>.",
+            file=sys.stderr,
+        )
         sys.exit(2)
 
 
-def main(cfg: DictConfig) -> dict | None:
-    """The body of `train.py`'s Hydra entry point. A run that fails exits
-    non-zero; a sweep job returns its result instead, so the sweep goes on."""
+def start(cfg: DictConfig) -> dict | None:
+    """The body of `train.py`'s Hydra entry point: check the config, then train
+    in this process (one rank, or a torchrun rank) or start the local ranks. A
+    run that fails exits non-zero; a sweep job returns its result instead, so
+    the sweep goes on."""
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     if hydra_cfg.mode == RunMode.MULTIRUN:
@@ -77,12 +88,12 @@ def main(cfg: DictConfig) -> dict | None:
     rank = int(os.environ["RANK"]) if torchrun else 0
     world_size = int(os.environ["WORLD_SIZE"]) if torchrun else local_rank_count(cfg)
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if torchrun else world_size
-    if prepare(cfg, world_size, local_world_size, run_dir, rank) is not None:
+    if check_config(cfg, world_size, local_world_size, run_dir, rank) is not None:
         _remove_if_empty(run_dir)
         sys.exit(2)
     if torchrun or world_size == 1:
-        run_rank(cfg, run_dir)
-    elif launch_local(cfg, run_dir, world_size) is not None:
+        train_or_exit(cfg, run_dir)
+    elif start_local_ranks(cfg, run_dir, world_size) is not None:
         sys.exit(1)
 
 
@@ -91,10 +102,10 @@ def sweep_job(cfg: DictConfig, hydra_cfg: DictConfig, run_dir: Path) -> dict:
     process group, and a failure that stays its own (recorded in `result.json`)."""
     name = name_wandb_run(cfg, hydra_cfg)
     nproc = local_rank_count(cfg)
-    if (error := prepare(cfg, nproc, nproc, run_dir, rank=0)) is not None:
+    if (error := check_config(cfg, nproc, nproc, run_dir, rank=0)) is not None:
         return write_result(run_dir, hydra_cfg, name, 2, error.splitlines()[0])
     try:
-        failure = launch_local(cfg, run_dir, nproc)
+        failure = start_local_ranks(cfg, run_dir, nproc)
     except Exception as e:  # the launcher itself failed (rendezvous, fork): still this job's failure alone
         log.exception("job %d could not start its ranks", hydra_cfg.job.num)
         failure = f"{type(e).__name__}: {e}"
@@ -114,15 +125,17 @@ def start_method(cfg: DictConfig) -> str:
     """`launcher.start_method`; auto = spawn for CUDA ranks (a forked child cannot
     use CUDA once its parent has touched it, whoever did), fork otherwise."""
     if cfg.launcher.start_method != "auto":
-        return cfg.launcher.start_method
+        return str(cfg.launcher.start_method)
     return "spawn" if resolve_device(cfg.train.device, visible_gpus()) == "cuda" else "fork"
 
 
-def prepare(cfg: DictConfig, world_size: int, local_world_size: int, run_dir: Path, rank: int) -> str | None:
-    """Validate, fill in the replica count, and set up logging and `.hydra/`;
-    the validation errors (already printed) when the config cannot run."""
+def check_config(cfg: DictConfig, world_size: int, local_world_size: int, run_dir: Path, rank: int) -> str | None:
+    """Validate and preflight, fill in the replica count, and set up logging and
+    `.hydra/`; the errors (already printed) when the config cannot run."""
     try:
-        validate(cfg, world_size, visible_gpus(), run_dir, local_world_size)
+        validate(cfg, world_size, visible_gpus(), local_world_size)
+        if errors := preflight(cfg, run_dir):
+            raise ConfigError("\n\n".join(errors))
     except ConfigError as e:
         if rank == 0:
             print(f"harness: the config cannot run (world size {world_size}):\n\n{e}", file=sys.stderr)
@@ -156,21 +169,23 @@ def save_hydra_config(cfg: DictConfig, run_dir: Path) -> None:
     OmegaConf.save(hydra_cfg.overrides.task, out / "overrides.yaml")
 
 
-def launch_local(cfg: DictConfig, run_dir: Path, nproc: int) -> str | None:
+def start_local_ranks(cfg: DictConfig, run_dir: Path, nproc: int) -> str | None:
     """Start `nproc` local ranks of this job and wait for them; what failed, in one line, or None."""
     method = start_method(cfg)
     log.info("starting %d local ranks (%s; run dir %s)", nproc, method, run_dir)
-    failures = run_local_ranks(worker, (OmegaConf.to_container(cfg, resolve=True), str(run_dir)), nproc, method)
+    failures = run_local_ranks(rank_entrypoint, (plain(cfg), str(run_dir)), nproc, method)
     if not failures:
         return None
-    failed = ", ".join(f"rank {r} ({f.signal_name() if f.exitcode < 0 else f'exit {f.exitcode}'})"
-                       for r, f in sorted(failures.items()))
+    failed = ", ".join(
+        f"rank {r} ({f.signal_name() if f.exitcode < 0 else f'exit {f.exitcode}'})" for r, f in sorted(failures.items())
+    )
     log.error("training failed: %s; see the traceback above and %s/logs/", failed, run_dir)
     return failed + (f": {error}" if (error := last_logged_error(run_dir)) else "")
 
 
-def run_local_ranks(entrypoint: Callable, args: tuple, nproc: int,
-                    start_method: str = "fork") -> dict[int, ProcessFailure]:
+def run_local_ranks(
+    entrypoint: Callable, args: tuple, nproc: int, start_method: str = "fork"
+) -> dict[int, ProcessFailure]:
     """Start `nproc` ranks of `entrypoint(*args)` with torchrun's environment,
     wait, and stop the rest when one fails; the failures by rank ({} if none).
 
@@ -183,11 +198,26 @@ def run_local_ranks(entrypoint: Callable, args: tuple, nproc: int,
     `spawn` (for CUDA ranks) starts fresh interpreters, which inherit no locks.
     """
     port = free_port()
-    envs = {rank: {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-                   "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                   "MASTER_PORT": str(port)} for rank in range(nproc)}
-    ranks = start_processes("harness", entrypoint, {rank: args for rank in range(nproc)}, envs, DefaultLogsSpecs(),
-                            start_method=start_method)
+    envs = {
+        rank: {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc),
+            "GROUP_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        for rank in range(nproc)
+    }
+    ranks = start_processes(
+        "harness",
+        entrypoint,
+        {rank: args for rank in range(nproc)},
+        envs,
+        DefaultLogsSpecs(),
+        start_method=start_method,
+    )
     try:
         result = ranks.wait(period=0.1)
     finally:
@@ -207,23 +237,26 @@ def last_logged_error(run_dir: Path) -> str:
     latest = (0.0, "")
     for path in [run_dir / "train.log", *sorted((run_dir / "logs").glob("rank*.log"))]:
         if path.exists():
-            errors = [line.split("[ERROR] - ", 1)[1] for line in path.read_text(errors="replace").splitlines()
-                      if "[ERROR] - " in line and "training failed:" not in line]
+            errors = [
+                line.split("[ERROR] - ", 1)[1]
+                for line in path.read_text(errors="replace").splitlines()
+                if "[ERROR] - " in line and "training failed:" not in line
+            ]
             if errors:
                 latest = max(latest, (path.stat().st_mtime, errors[-1][:300]))
     return latest[1]
 
 
-def worker(cfg: dict, run_dir: str) -> None:
-    """One locally launched rank; must live in an importable module for the launcher."""
+def rank_entrypoint(cfg: dict, run_dir: str) -> None:
+    """A locally started rank's process; must live in an importable module for the launcher."""
     setup_logging(Path(run_dir), int(os.environ["RANK"]))
-    run_rank(OmegaConf.create(cfg), Path(run_dir))
+    train_or_exit(OmegaConf.create(cfg), Path(run_dir))
 
 
-def run_rank(cfg: DictConfig, run_dir: Path) -> None:
-    """`run`, with the failures a user can act on reported as one message instead of a traceback."""
+def train_or_exit(cfg: DictConfig, run_dir: Path) -> None:
+    """`run_rank`, with the failures a user can act on reported as one message and exit 1."""
     try:
-        run(cfg, run_dir)
+        run_rank(cfg, run_dir)
     except (CheckpointError, NonFiniteLossError) as e:
         # with its cause's traceback when it wraps one (a failed save or load), so a bug is not taken for a full disk
         log.error("%s", e, exc_info=e.__cause__ is not None)
@@ -231,10 +264,15 @@ def run_rank(cfg: DictConfig, run_dir: Path) -> None:
     except (dist.DistError, RuntimeError) as e:
         if "timed out" not in str(e).lower():
             raise
-        log.error("a collective did not finish within dist.timeout_s=%d s (%s: %s): another rank stopped responding "
-                  "or died. Fix: find the failing rank in %s/logs/ and the launcher's output; raise dist.timeout_s "
-                  "if steps legitimately take longer.", cfg.dist.timeout_s, type(e).__name__,
-                  str(e).splitlines()[0][:200], run_dir)
+        log.error(
+            "a collective did not finish within dist.timeout_s=%d s (%s: %s): another rank stopped responding "
+            "or died. Fix: find the failing rank in %s/logs/ and the launcher's output; raise dist.timeout_s "
+            "if steps legitimately take longer.",
+            cfg.dist.timeout_s,
+            type(e).__name__,
+            str(e).splitlines()[0][:200],
+            run_dir,
+        )
         sys.exit(1)
 
 

@@ -1,5 +1,5 @@
-"""One rank's job: `build_job` assembles it from the config, `run` takes it from
-process group to teardown, and `train` is the loop itself."""
+"""One rank's run: `run_rank` takes it from process group to teardown, and
+`train` is the loop itself."""
 
 from __future__ import annotations
 
@@ -11,19 +11,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
-from torch.distributed.device_mesh import DeviceMesh
+from omegaconf import DictConfig
 
-from harness.averaging import CrossReplica, setup_cross_replica
-from harness.checkpoint import Checkpointer, load, resume_path
-from harness.data import TokenStream, build_data
-from harness.dist import (DistEnv, init_distributed, mean_over_ranks, node_of_each_rank, teardown,
-                          true_on_every_rank)
-from harness.mesh import build_mesh, describe_replicas
+from harness.checkpoint import Checkpointer, checkpoint_dir, load, resume_path
+from harness.config import TrainConf, plain
+from harness.dist import DistEnv, init_distributed, mean_over_ranks, node_of_each_rank, teardown, true_on_every_rank
+from harness.job import Job, build_job
+from harness.mesh import describe_replicas
 from harness.metrics import MetricsSink, memory_metrics, peak_flops
-from harness.models import build_model
-from harness.optim import build_optimizer, clip_grad_norm_
-from harness.sharding import apply_sharding, compile_blocks
+from harness.optim import clip_grad_norm_
 
 log = logging.getLogger(__name__)
 
@@ -31,49 +27,29 @@ log = logging.getLogger(__name__)
 @dataclass
 class TrainState:
     """What the loop itself carries between steps (the rest of a checkpoint's
-    state lives in the job: model, optimizer, data position, averager)."""
+    state lives in the job: model, optimizer and its stateful parts)."""
 
     step: int = 0
 
 
-@dataclass
-class Job:
-    """Everything one rank trains with, assembled from the config."""
-
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    data: TokenStream
-    mesh: DeviceMesh
-    cross_replica: CrossReplica | None  # None when there is a single replica
-    flops_per_token: float  # training FLOPs of the model per token, for train/mfu
-
-
-def build_job(cfg: DictConfig, env: DistEnv) -> Job:
-    mesh = build_mesh(cfg.sharding.strategy, cfg.sharding.replicate, env.world_size, env.device.type)
-    model = build_model(cfg.model, cfg.train.seq_len)
-    flops_per_token = model.flops_per_token(cfg.train.seq_len)
-    if cfg.train.compile:
-        compile_blocks(model)
-    local_sgd = cfg.averager.name != "none"
-    model = apply_sharding(model, mesh, cfg.sharding, env.device, cfg.train.seed, replicas_train_alone=local_sgd)
-    optimizer = build_optimizer(cfg.optimizer, model, env.device)
-    optimizer, cross_replica = setup_cross_replica(model, optimizer, mesh, cfg.averager)
-    data = build_data(cfg.data, cfg.model.vocab_size, cfg.train.batch_size, cfg.train.seq_len,
-                      cfg.train.seed, env.rank, env.world_size, env.device)
-    return Job(model, optimizer, data, mesh, cross_replica, flops_per_token)
-
-
-def run(cfg: DictConfig, run_dir: Path) -> None:
-    """One rank of the job described by `cfg` (already validated)."""
+def run_rank(cfg: DictConfig, run_dir: Path) -> None:
+    """One rank of the run described by `cfg` (already validated)."""
     env = init_distributed(cfg.train.device, cfg.dist.timeout_s, cfg.dist.threads_per_rank)
     sink = None
     try:
         job = build_job(cfg, env)
-        checkpointer = Checkpointer(cfg, run_dir, env.rank, env.device)
-        sink = MetricsSink(run_dir, cfg.wandb, OmegaConf.to_container(cfg, resolve=True), enabled=env.is_main)
-        log.info("world %d, mesh %s, %s parameters, device %s", env.world_size,
-                 dict(zip(job.mesh.mesh_dim_names, job.mesh.shape)),
-                 f"{sum(p.numel() for p in job.model.parameters()):,}", env.device)
+        run_config = plain(cfg)
+        checkpointer = Checkpointer(
+            cfg.checkpoint, checkpoint_dir(cfg.checkpoint, run_dir), env.rank, env.device, run_config
+        )
+        sink = MetricsSink(run_dir, cfg.wandb, run_config, enabled=env.is_main)
+        log.info(
+            "world %d, mesh %s, %s parameters, device %s",
+            env.world_size,
+            dict(zip(job.mesh.mesh_dim_names, job.mesh.shape)),
+            f"{sum(p.numel() for p in job.model.parameters()):,}",
+            env.device,
+        )
         log.info("replicas: %s", describe_replicas(job.mesh, node_of_each_rank()))
         state = TrainState()
         path = resume_path(cfg.checkpoint, run_dir)
@@ -92,26 +68,21 @@ def run(cfg: DictConfig, run_dir: Path) -> None:
         teardown()
 
 
-def checkpoint_state(job: Job) -> dict:
-    """The loop-side state a checkpoint stores next to model, optimizer and RNG."""
-    return {"data": job.data.state_dict(),
-            "cross_replica": job.cross_replica.state_dict() if job.cross_replica is not None else {}}
-
-
 def restore(job: Job, state: TrainState, path: Path, rank: int) -> dict:
     """Resume `job` from the checkpoint at `path`; returns the load metrics."""
     meta, row = load(path, job, rank)
     state.step = meta["step"]
-    job.data.load_state_dict(meta["data"])
-    if job.cross_replica is not None:
-        job.cross_replica.load_state_dict(meta["cross_replica"], state.step)
     log.info("resumed from %s at step %d (%.2f s)", path, state.step, row["checkpoint/load_s"])
-    return {**row, "run/resumed_from_step": state.step,
-            "run/restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))}
+    return {
+        **row,
+        "run/resumed_from_step": state.step,
+        "run/restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+    }
 
 
-def train(job: Job, sink: MetricsSink, cfg: DictConfig, env: DistEnv, state: TrainState,
-          checkpointer: Checkpointer) -> None:
+def train(
+    job: Job, sink: MetricsSink, cfg: TrainConf, env: DistEnv, state: TrainState, checkpointer: Checkpointer
+) -> None:
     """Train until `cfg.steps` steps are done: forward, backward, step (+ averaging), log, checkpoint."""
     model, optimizer = job.model, job.optimizer
     tokens_per_step = cfg.batch_size * cfg.seq_len * env.world_size
@@ -136,22 +107,35 @@ def train(job: Job, sink: MetricsSink, cfg: DictConfig, env: DistEnv, state: Tra
         state.step = step
 
         row = job.cross_replica.step_metrics() if job.cross_replica is not None else {}
-        saved = checkpointer.after_step(job, step, cfg.steps, checkpoint_state(job))
+        saved = checkpointer.after_step(job, step, cfg.steps)
         row.update(saved)
         if not finite:
             row["train/skipped_nonfinite"] = 1
         if log_step:
             mean_loss = mean_over_ranks(loss)  # also waits for the device, so the clock below is honest
             step_time = (time.perf_counter() - last_time) / (step - last_step)
-            row.update({"train/loss": mean_loss, "train/lr": optimizer.param_groups[0]["lr"],
-                        "train/grad_norm": grad_norm.item(), "train/step_time_s": step_time,
-                        "train/tokens_per_s": tokens_per_step / step_time, **memory_metrics(env.device)})
+            row.update(
+                {
+                    "train/loss": mean_loss,
+                    "train/lr": optimizer.param_groups[0]["lr"],
+                    "train/grad_norm": grad_norm.item(),
+                    "train/step_time_s": step_time,
+                    "train/tokens_per_s": tokens_per_step / step_time,
+                    **memory_metrics(env.device),
+                }
+            )
             if peak is not None:  # model FLOPs achieved per device over its peak
                 row["train/mfu"] = row["train/tokens_per_s"] / env.world_size * job.flops_per_token / peak
             sink.log(row, step)
             if env.is_main:
-                log.info("step %d/%d | loss %.4f | %s tok/s | %.3f s/step", step, cfg.steps, mean_loss,
-                         f"{row['train/tokens_per_s']:,.0f}", step_time)
+                log.info(
+                    "step %d/%d | loss %.4f | %s tok/s | %.3f s/step",
+                    step,
+                    cfg.steps,
+                    mean_loss,
+                    f"{row['train/tokens_per_s']:,.0f}",
+                    step_time,
+                )
             last_time, last_step = time.perf_counter(), step
         elif row.get("averager/averaged") or saved or not finite:  # so are averaging, save and skipped steps
             sink.log(row, step)
@@ -177,6 +161,6 @@ def skip_nonfinite_step(policy: str, step: int) -> None:
         raise NonFiniteLossError(
             f"train: the loss or gradients are not finite (NaN/inf) at step {step}; stopped before the optimizer "
             "step, so no checkpoint holds non-finite values. Fix: lower optimizer.lr, keep train.grad_clip > 0, "
-            "resume from the last checkpoint, or train.nonfinite=skip to skip such steps.")
+            "resume from the last checkpoint, or train.nonfinite=skip to skip such steps."
+        )
     log.warning("step %d: non-finite loss or gradients; skipped on every rank (train.nonfinite=skip)", step)
-

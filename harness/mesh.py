@@ -24,13 +24,15 @@ def describe_replicas(mesh: DeviceMesh, node_of_rank: list[int]) -> str:
     parts = []
     for replica, ranks in enumerate(mesh.mesh.tolist()):
         nodes = sorted({node_of_rank[r] for r in ranks})
-        parts.append(f"replica {replica} = ranks {ranks} on node{'s' if len(nodes) > 1 else ''} "
-                     f"{', '.join(map(str, nodes))}")
+        parts.append(
+            f"replica {replica} = ranks {ranks} on node{'s' if len(nodes) > 1 else ''} {', '.join(map(str, nodes))}"
+        )
     return "; ".join(parts)
 
 
-def mesh_shape(strategy: str, replicate: int | None, world_size: int,
-               local_world_size: int | None = None) -> tuple[int, int]:
+def mesh_shape(
+    strategy: str, replicate: int | None, world_size: int, local_world_size: int | None = None
+) -> tuple[int, int]:
     """(replicate, shard) sizes for a strategy; ValueError names key, value and fix.
     `local_world_size` (ranks per node) places hybrid replicas left at null."""
     if strategy in HYBRID:
@@ -40,15 +42,19 @@ def mesh_shape(strategy: str, replicate: int | None, world_size: int,
         if replicate < 1 or world_size % replicate:
             divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
             value = given if given is not None else f"null (one replica per node, 2 on one node: {replicate})"
-            raise ValueError(f"sharding.replicate={value} does not divide the world size {world_size}, so the "
-                             f"(replicate, shard) mesh cannot be built. Fix: sharding.replicate=one of {divisors}, "
-                             f"or change the number of ranks.")
+            raise ValueError(
+                f"sharding.replicate={value} does not divide the world size {world_size}, so the "
+                f"(replicate, shard) mesh cannot be built. Fix: sharding.replicate=one of {divisors}, "
+                f"or change the number of ranks."
+            )
         return replicate, world_size // replicate
     implied = 1 if _FIXED_REPLICATE[strategy] == "one" else world_size
     if replicate is not None and replicate != implied:
-        raise ValueError(f"sharding.replicate={replicate} conflicts with sharding={strategy}, which always has "
-                         f"{implied} replica(s) at world size {world_size}. Fix: drop sharding.replicate, or use "
-                         f"sharding=hybrid_shard sharding.replicate={replicate}.")
+        raise ValueError(
+            f"sharding.replicate={replicate} conflicts with sharding={strategy}, which always has "
+            f"{implied} replica(s) at world size {world_size}. Fix: drop sharding.replicate, or use "
+            f"sharding=hybrid_shard sharding.replicate={replicate}."
+        )
     return implied, world_size // implied
 
 

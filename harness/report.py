@@ -27,9 +27,14 @@ from omegaconf import OmegaConf  # noqa: E402
 from harness.sweep import RESULT_FILE  # noqa: E402
 
 # checkpoint metric -> bar label
-TIMINGS = {"checkpoint/state_dict_s": "state dict", "checkpoint/save_s": "save (training blocked)",
-           "checkpoint/write_s": "write (until durable)", "checkpoint/staging_wait_s": "async staging wait",
-           "checkpoint/load_s": "load (resume)", "checkpoint/set_state_dict_s": "set state dict (resume)"}
+TIMINGS = {
+    "checkpoint/state_dict_s": "state dict",
+    "checkpoint/save_s": "save (training blocked)",
+    "checkpoint/write_s": "write (until durable)",
+    "checkpoint/staging_wait_s": "async staging wait",
+    "checkpoint/load_s": "load (resume)",
+    "checkpoint/set_state_dict_s": "set state dict (resume)",
+}
 
 
 @dataclass
@@ -139,8 +144,9 @@ def plot_run(run: Run, path: Path) -> None:
     steps, drift = run.series("averager/drift")
     if drift:
         ax_drift.plot(steps, drift, marker="o", ms=3, color="tab:orange", label="averager/drift")
-        _labels(ax_drift, "Replica drift just before each averaging step", "step",
-                "relative RMS distance from the mean")
+        _labels(
+            ax_drift, "Replica drift just before each averaging step", "step", "relative RMS distance from the mean"
+        )
     else:
         _empty(ax_drift, "Replica drift", "no averaging steps in this run")
 
@@ -162,9 +168,11 @@ def describe(config: dict) -> str:
     if averager == "periodic":
         averager += f" every {avg.get('period')} steps after {avg.get('warmup_steps')}"
     optimizer = str(optim.get("_target_", "?")).rsplit(".", 1)[-1]
-    return (f"{model.get('name', '?')} model, {optimizer} lr {optim.get('lr', '?')}, averager {averager}, "
-            f"{shard.get('strategy', '?')} ({shard.get('replicate') or 'implied'} replicas), "
-            f"{(config.get('launcher') or {}).get('nproc', '?')} local ranks")
+    return (
+        f"{model.get('name', '?')} model, {optimizer} lr {optim.get('lr', '?')}, averager {averager}, "
+        f"{shard.get('strategy', '?')} ({shard.get('replicate') or 'implied'} replicas), "
+        f"{(config.get('launcher') or {}).get('nproc', '?')} local ranks"
+    )
 
 
 def _checkpoint_bars(run: Run, ax) -> None:
@@ -203,8 +211,14 @@ def plot_sweep_loss(runs: list[Run], path: Path, title: str, colors: dict[str, s
     for run in runs:
         steps, loss = run.series("train/loss")
         failed = status(run) != "completed"
-        ax.plot(steps, loss, marker=".", ls="--" if failed else "-", color=colors[run.name],
-                label=f"{run.name}" + (" (failed)" if failed else ""))
+        ax.plot(
+            steps,
+            loss,
+            marker=".",
+            ls="--" if failed else "-",
+            color=colors[run.name],
+            label=f"{run.name}" + (" (failed)" if failed else ""),
+        )
     _labels(ax, f"Training loss per job: {title}", "step", "loss (cross-entropy, nats)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -214,12 +228,24 @@ def plot_sweep_loss(runs: list[Run], path: Path, title: str, colors: dict[str, s
 def plot_tradeoff(lines: list[dict], path: Path, title: str, colors: dict[str, str]) -> None:
     """Final loss against cross-replica traffic: local SGD's trade-off in one picture."""
     fig, ax = plt.subplots(figsize=(9, 6))
-    points = [line for line in lines if line["final loss"] is not None and line["cross-replica MB per rank"] is not None]
+    points = [
+        line for line in lines if line["final loss"] is not None and line["cross-replica MB per rank"] is not None
+    ]
     for line in points:
-        ax.scatter(line["cross-replica MB per rank"], line["final loss"], s=40, color=colors[line["name"]],
-                   marker="o" if line["status"] == "completed" else "x")
-        ax.annotate(line["name"], (line["cross-replica MB per rank"], line["final loss"]), fontsize=8,
-                    xytext=(5, 4), textcoords="offset points")
+        ax.scatter(
+            line["cross-replica MB per rank"],
+            line["final loss"],
+            s=40,
+            color=colors[line["name"]],
+            marker="o" if line["status"] == "completed" else "x",
+        )
+        ax.annotate(
+            line["name"],
+            (line["cross-replica MB per rank"], line["final loss"]),
+            fontsize=8,
+            xytext=(5, 4),
+            textcoords="offset points",
+        )
     if not points:
         _empty(ax, title, "no job logged both a loss and cross-replica traffic")
     else:
@@ -236,7 +262,9 @@ def plot_tradeoff(lines: list[dict], path: Path, title: str, colors: dict[str, s
 
 def job_dirs(sweep_dir: Path) -> list[Path]:
     """A sweep's job dirs: Hydra's numbered subdirs that hold metrics or a result."""
-    dirs = [p for p in sweep_dir.iterdir() if p.is_dir() and ((p / "metrics.jsonl").exists() or (p / RESULT_FILE).exists())]
+    dirs = [
+        p for p in sweep_dir.iterdir() if p.is_dir() and ((p / "metrics.jsonl").exists() or (p / RESULT_FILE).exists())
+    ]
     return sorted(dirs, key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name))
 
 
@@ -269,9 +297,12 @@ def main(argv: list[str] | None = None) -> int:
     path = args.dir
     is_run = (path / "metrics.jsonl").exists()
     if not path.is_dir() or not (is_run or job_dirs(path)):
-        print(f"harness.report: {str(path)!r} is neither a run dir (with metrics.jsonl) nor a sweep dir (with job "
-              "dirs holding metrics.jsonl or result.json). Fix: pass outputs/<date>/<time> for a run or "
-              "outputs/multirun/<stamp> for a sweep.", file=sys.stderr)
+        print(
+            f"harness.report: {str(path)!r} is neither a run dir (with metrics.jsonl) nor a sweep dir (with job "
+            "dirs holding metrics.jsonl or result.json). Fix: pass outputs/<date>/<time> for a run or "
+            "outputs/multirun/<stamp> for a sweep.",
+            file=sys.stderr,
+        )
         return 2
     out = args.out or path / "report"
     out.mkdir(parents=True, exist_ok=True)

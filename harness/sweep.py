@@ -56,8 +56,14 @@ def name_wandb_run(cfg: DictConfig, hydra_cfg: Any) -> str:
 
 def write_result(run_dir: Path, hydra_cfg: Any, name: str, exit_code: int, reason: str) -> dict:
     """The job's outcome, next to its metrics: what the summary and reports read."""
-    result = {"job": int(hydra_cfg.job.num), "name": name, "overrides": list(hydra_cfg.overrides.task),
-              "status": "completed" if exit_code == 0 else "failed", "exit_code": exit_code, "reason": reason}
+    result = {
+        "job": int(hydra_cfg.job.num),
+        "name": name,
+        "overrides": list(hydra_cfg.overrides.task),
+        "status": "completed" if exit_code == 0 else "failed",
+        "exit_code": exit_code,
+        "reason": reason,
+    }
     (run_dir / RESULT_FILE).write_text(json.dumps(result, indent=1) + "\n")
     return result
 
@@ -77,10 +83,14 @@ class SweepSummary(Callback):
         results = read_results(sweep_dir, self.started)
         failed = [r for r in results if r["status"] != "completed"]
         for r in failed:
-            print(f"harness: job {r['job']} ({r['name']}) failed with exit {r['exit_code']}: "
-                  f"{r['reason']}", file=sys.stderr)
-        print(f"harness: sweep {sweep_dir}: {len(results) - len(failed)} of {len(results)} jobs completed"
-              + (f", failed: {', '.join(str(r['job']) for r in failed)}" if failed else ""),
-              file=sys.stderr if failed else sys.stdout)
+            print(
+                f"harness: job {r['job']} ({r['name']}) failed with exit {r['exit_code']}: {r['reason']}",
+                file=sys.stderr,
+            )
+        print(
+            f"harness: sweep {sweep_dir}: {len(results) - len(failed)} of {len(results)} jobs completed"
+            + (f", failed: {', '.join(str(r['job']) for r in failed)}" if failed else ""),
+            file=sys.stderr if failed else sys.stdout,
+        )
         if failed:
             sys.exit(1)  # SystemExit passes Hydra's error handler, which only catches Exception

@@ -12,10 +12,10 @@ import json
 import pytest
 import torch
 
-from conftest import REPO, check_ok, run_cli
+from support import REPO, check_ok, run_cli
 
 pytestmark = pytest.mark.slow
-PROBE = REPO / "tests" / "replica_probe.py"
+PROBE = REPO / "tests" / "probes" / "replica_probe.py"
 SMALL = ["model=mlp", "train.batch_size=4", "train.seq_len=16", "optimizer=sgd"]
 
 
@@ -29,13 +29,25 @@ def averaged_steps(records) -> list[int]:
     return [r["step"] for r in records if r["averager/averaged"]]
 
 
-@pytest.mark.parametrize("layout", [
-    ["sharding=hybrid_shard", "sharding.replicate=2"],  # 4 ranks = 2 replicas x 2 shards (FSDP2)
-    ["sharding=ddp"],  # 4 ranks = 4 replicas, PyTorch's post_localSGD_hook for gradients
-], ids=["fsdp2-2x2", "ddp-4x1"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["sharding=hybrid_shard", "sharding.replicate=2"],  # 4 ranks = 2 replicas x 2 shards (FSDP2)
+        ["sharding=ddp"],  # 4 ranks = 4 replicas, PyTorch's post_localSGD_hook for gradients
+    ],
+    ids=["fsdp2-2x2", "ddp-4x1"],
+)
 def test_periodic_schedule_and_bit_identical_replicas(layout, tmp_path, cli_env):
-    records = probe(tmp_path, cli_env, 4, *layout, "averager=periodic", "averager.period=4",
-                    "averager.warmup_steps=3", "train.steps=12")
+    records = probe(
+        tmp_path,
+        cli_env,
+        4,
+        *layout,
+        "averager=periodic",
+        "averager.period=4",
+        "averager.warmup_steps=3",
+        "train.steps=12",
+    )
     assert averaged_steps(records) == [4, 8, 12]
     for r in records:
         all_same = all(all(row) for row in r["same"])
@@ -54,8 +66,9 @@ def test_periodic_schedule_and_bit_identical_replicas(layout, tmp_path, cli_env)
 
 
 def test_warmup_is_fully_synchronous_and_never_averages(tmp_path, cli_env):
-    records = probe(tmp_path, cli_env, 2, "sharding=no_shard", "averager.period=1",
-                    "averager.warmup_steps=6", "train.steps=6")
+    records = probe(
+        tmp_path, cli_env, 2, "sharding=no_shard", "averager.period=1", "averager.warmup_steps=6", "train.steps=6"
+    )
     assert averaged_steps(records) == []
     assert all(r["comm/grad_sync_bytes"] > 0 and all(map(all, r["same"])) for r in records)
 
@@ -63,8 +76,13 @@ def test_warmup_is_fully_synchronous_and_never_averages(tmp_path, cli_env):
 def test_period_one_sgd_equals_synchronous_training(tmp_path, cli_env):
     """Plain SGD is linear in the gradient, so averaging parameters after every
     step = averaging gradients before it (clipping off: it is per replica)."""
-    common = ["sharding=hybrid_shard", "sharding.replicate=2", "train.steps=8", "train.grad_clip=0",
-              "optimizer.momentum=0"]
+    common = [
+        "sharding=hybrid_shard",
+        "sharding.replicate=2",
+        "train.steps=8",
+        "train.grad_clip=0",
+        "optimizer.momentum=0",
+    ]
     sync_dir, local_dir = tmp_path / "sync", tmp_path / "local"
     sync_dir.mkdir(), local_dir.mkdir()
     sync = probe(sync_dir, cli_env, 4, *common, "averager=none")
@@ -80,8 +98,16 @@ def test_period_one_sgd_equals_synchronous_training(tmp_path, cli_env):
 
 
 def test_hierarchical_pairs_at_small_period_all_at_large(tmp_path, cli_env):
-    records = probe(tmp_path, cli_env, 4, "sharding=no_shard", "averager=hierarchical",
-                    "averager.period_group_size=[[2,2],[4,4]]", "averager.warmup_steps=2", "train.steps=9")
+    records = probe(
+        tmp_path,
+        cli_env,
+        4,
+        "sharding=no_shard",
+        "averager=hierarchical",
+        "averager.period_group_size=[[2,2],[4,4]]",
+        "averager.warmup_steps=2",
+        "train.steps=9",
+    )
     by_step = {r["step"]: r["same"] for r in records}
     # 0-based iterations 2..8: multiples of 4 average all 4 replicas, other even ones pairs {0,1} {2,3}
     assert averaged_steps(records) == [3, 5, 7, 9]

@@ -4,7 +4,6 @@ resharding, per-replica copies, atomic commits, keep-last-k, load errors."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,9 +11,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, check_ok, read_metrics, run_cli
+from support import (
+    REPO,
+    SMALL,
+    assert_bitwise_equal,
+    check_ok,
+    loss_by_step,
+    read_metrics,
+    run_cli,
+    saved_state,
+    steps_saved,
+)
 
-SMALL = ["model=mlp", "train.batch_size=4", "train.seq_len=16", "train.log_every=1"]
 LOCAL_SGD = ["optimizer=adamw", "averager=periodic", "averager.period=3"]
 # warmup 2: averaging at steps 3, 6, 9, 12, so the replicas have diverged at step 7
 LAYOUTS = {
@@ -24,7 +32,7 @@ LAYOUTS = {
     # post_localSGD_hook with averaging at 9 and 12
     "ddp4": ["launcher.nproc=4", "sharding=ddp", "averager.warmup_steps=8"],
 }
-PROBE = REPO / "tests" / "checkpoint_probe.py"
+PROBE = REPO / "tests" / "probes" / "checkpoint_probe.py"
 
 
 def train(run_dir: Path, env: dict, *overrides: str) -> subprocess.CompletedProcess:
@@ -33,49 +41,14 @@ def train(run_dir: Path, env: dict, *overrides: str) -> subprocess.CompletedProc
     return proc
 
 
-def steps_saved(run_dir: Path) -> list[str]:
-    return sorted((p.name for p in (run_dir / "checkpoints").iterdir()), key=lambda n: (len(n), n))
-
-
-def saved_state(step_dir: Path, tmp_path: Path) -> dict:
-    """The checkpoint's contents as one dict, read the way a user would: full.pt
-    with torch.load, a DCP directory through PyTorch's own converter."""
-    if (step_dir / "full.pt").exists():
-        return torch.load(step_dir / "full.pt", weights_only=True)
-    out = tmp_path / f"{step_dir.parent.parent.name}_{step_dir.name}.pt"
-    subprocess.run([sys.executable, "-m", "torch.distributed.checkpoint.format_utils", "dcp_to_torch",
-                    str(step_dir), str(out)], check=True, capture_output=True)
-    return torch.load(out, weights_only=False)
-
-
-def flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
-def assert_bitwise_equal(a: dict, b: dict) -> None:
-    fa, fb = flat(a), flat(b)
-    assert fa.keys() == fb.keys()
-    differ = [k for k in fa if torch.is_tensor(fa[k]) and not torch.equal(fa[k], fb[k])]
-    assert not differ, f"{len(differ)} tensors differ, e.g. {differ[:3]}"
-
-
-def loss_by_step(run_dir: Path) -> dict[int, float]:
-    return {row["step"]: row["train/loss"] for row in read_metrics(run_dir) if "train/loss" in row}
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_resume_in_every_mode_is_bitwise_equal_to_an_uninterrupted_run(layout, tmp_path, cli_env):
-    """Run A trains 12 steps. Run B stops at 7 (between averaging steps) saving sharded, resumes to 9 (an averaging step) saving full,
-    and resumes to 12 saving sharded with async_save (at 10, while training
-    goes on, and at 12): model and optimizer state at 10 and 12, and every
-    loss after step 7, equal A's bit for bit."""
+    """Run A trains 12 steps. Run B stops at 7 (between averaging steps) saving
+    sharded, resumes to 9 (an averaging step) saving full, and resumes to 12
+    saving sharded with async_save (at 10, while training goes on, and at 12):
+    model and optimizer state at 10 and 12, and every loss after step 7, equal
+    A's bit for bit."""
     base = [*LAYOUTS[layout], *LOCAL_SGD, "checkpoint.interval=10", "checkpoint.keep=3"]
     a, b = tmp_path / "a", tmp_path / "b"
     train(a, cli_env, *base, "train.steps=12", "checkpoint=sharded")
@@ -84,8 +57,9 @@ def test_resume_in_every_mode_is_bitwise_equal_to_an_uninterrupted_run(layout, t
     train(b, cli_env, *base, "train.steps=12", "checkpoint=sharded", "checkpoint.async=true")
 
     for step in ("step_10", "step_12"):
-        assert_bitwise_equal(saved_state(a / "checkpoints" / step, tmp_path),
-                             saved_state(b / "checkpoints" / step, tmp_path))
+        assert_bitwise_equal(
+            saved_state(a / "checkpoints" / step, tmp_path), saved_state(b / "checkpoints" / step, tmp_path)
+        )
     la, lb = loss_by_step(a), loss_by_step(b)
     assert [lb[s] for s in range(8, 13)] == [la[s] for s in range(8, 13)]
 
@@ -101,23 +75,34 @@ def test_resume_in_every_mode_is_bitwise_equal_to_an_uninterrupted_run(layout, t
     assert all(r["checkpoint/load_s"] > 0 and r["checkpoint/set_state_dict_s"] > 0 for r in resumed)
     saves = {r["checkpoint/mode"]: r for r in rows if "checkpoint/save_s" in r}
     assert set(saves) == {"sharded", "full", "sharded_async"}
-    assert all(r["checkpoint/state_dict_s"] >= 0 and r["checkpoint/bytes"] > 0 for r in saves.values()
-               if "checkpoint/bytes" in r)
+    assert all(
+        r["checkpoint/state_dict_s"] >= 0 and r["checkpoint/bytes"] > 0
+        for r in saves.values()
+        if "checkpoint/bytes" in r
+    )
     assert any("checkpoint/write_s" in r and "checkpoint/save_s" not in r for r in rows), "async write time logged"
 
 
 @pytest.mark.slow
 def test_full_checkpoint_loads_in_a_plain_process_without_torch_distributed(tmp_path, cli_env):
     run = tmp_path / "run"
-    train(run, cli_env, "launcher.nproc=4", "sharding=hybrid_shard", "sharding.replicate=2", "averager=none",
-          "train.steps=3", "checkpoint=full")
+    train(
+        run,
+        cli_env,
+        "launcher.nproc=4",
+        "sharding=hybrid_shard",
+        "sharding.replicate=2",
+        "averager=none",
+        "train.steps=3",
+        "checkpoint=full",
+    )
     code = f"""
 import torch, torch.distributed as dist
 from omegaconf import OmegaConf
 from harness.models import build_model
-ckpt = torch.load({str(run / 'checkpoints' / 'step_3' / 'full.pt')!r}, weights_only=True)
-model = build_model(OmegaConf.create({{"name": "mlp", "n_layer": 2, "d_model": 64, "hidden": 256,
-                                       "vocab_size": 256}}), 16).to_empty(device="cpu")
+ckpt = torch.load({str(run / "checkpoints" / "step_3" / "full.pt")!r}, weights_only=True)
+model = build_model(OmegaConf.create({{"_target_": "harness.models.TokenMLP", "n_layer": 2, "d_model": 64,
+                                       "hidden": 256, "vocab_size": 256}}), 16).to_empty(device="cpu")
 print(model.load_state_dict(ckpt["model"]))
 tokens = torch.randint(256, (2, 17))
 assert torch.isfinite(model(tokens[:, :-1], tokens[:, 1:]))
@@ -141,8 +126,9 @@ def test_sharded_checkpoint_reshards_exactly_and_training_continues(tmp_path, cl
     hybrid_shard (sharded) and into 2 ranks no_shard (full): the parameters are
     exactly the saved ones."""
     run = tmp_path / "run"
-    train(run, cli_env, "launcher.nproc=4", "sharding=full_shard", "averager=none", "train.steps=4",
-          "checkpoint=sharded")
+    train(
+        run, cli_env, "launcher.nproc=4", "sharding=full_shard", "averager=none", "train.steps=4", "checkpoint=sharded"
+    )
     step_dir = run / "checkpoints" / "step_4"
     saved = saved_state(step_dir, tmp_path)["model"]
     for nproc, layout in [(2, ["sharding=full_shard"]), (4, ["sharding=hybrid_shard", "sharding.replicate=2"])]:
@@ -150,15 +136,36 @@ def test_sharded_checkpoint_reshards_exactly_and_training_continues(tmp_path, cl
         assert_bitwise_equal(got["model"], saved)
         assert got["step"] == 4 and got["samples"] == 4 * 4 * 4  # the data position is global
     full_run = tmp_path / "full"  # a full checkpoint loads into any layout too
-    train(full_run, cli_env, "launcher.nproc=4", "sharding=full_shard", "averager=none", "train.steps=4",
-          "checkpoint=full")
-    got = probe(full_run / "checkpoints" / "step_4", tmp_path / "probe_full.pt", 2, cli_env, "averager=none",
-                "sharding=no_shard")
+    train(
+        full_run,
+        cli_env,
+        "launcher.nproc=4",
+        "sharding=full_shard",
+        "averager=none",
+        "train.steps=4",
+        "checkpoint=full",
+    )
+    got = probe(
+        full_run / "checkpoints" / "step_4",
+        tmp_path / "probe_full.pt",
+        2,
+        cli_env,
+        "averager=none",
+        "sharding=no_shard",
+    )
     assert_bitwise_equal(got["model"], saved_state(full_run / "checkpoints" / "step_4", tmp_path)["model"])
     assert_bitwise_equal(got["model"], saved)  # and the two modes saved the same parameters
     more = tmp_path / "more"  # and training goes on from there on 2 ranks
-    train(more, cli_env, "launcher.nproc=2", "sharding=full_shard", "averager=none", "train.steps=6",
-          "checkpoint=sharded", f"checkpoint.resume={step_dir}")
+    train(
+        more,
+        cli_env,
+        "launcher.nproc=2",
+        "sharding=full_shard",
+        "averager=none",
+        "train.steps=6",
+        "checkpoint=sharded",
+        f"checkpoint.resume={step_dir}",
+    )
     assert sorted(loss_by_step(more)) == [5, 6] and steps_saved(more) == ["step_6"]
 
 
@@ -178,8 +185,17 @@ def test_diverged_replicas_load_as_their_mean_into_another_replica_count(tmp_pat
 @pytest.mark.slow
 def test_only_complete_checkpoints_count_and_leftovers_are_removed(tmp_path, cli_env):
     run = tmp_path / "run"
-    train(run, cli_env, "launcher.nproc=2", "sharding=full_shard", "averager=none", "train.steps=4",
-          "checkpoint=sharded", "checkpoint.interval=2", "checkpoint.keep=2")
+    train(
+        run,
+        cli_env,
+        "launcher.nproc=2",
+        "sharding=full_shard",
+        "averager=none",
+        "train.steps=4",
+        "checkpoint=sharded",
+        "checkpoint.interval=2",
+        "checkpoint.keep=2",
+    )
     assert steps_saved(run) == ["step_2", "step_4"]
     ckpts = run / "checkpoints"
     # what a save killed halfway leaves behind: a .partial dir, or a step dir without meta.json
@@ -187,8 +203,17 @@ def test_only_complete_checkpoints_count_and_leftovers_are_removed(tmp_path, cli
     (ckpts / "step_6.partial" / "__0_0.distcp").write_bytes(b"half")
     (ckpts / "step_8").mkdir()
     before = {p.name: p.stat().st_mtime_ns for p in (ckpts / "step_4").iterdir()}
-    proc = train(run, cli_env, "launcher.nproc=2", "sharding=full_shard", "averager=none", "train.steps=6",
-                 "checkpoint=sharded", "checkpoint.interval=2", "checkpoint.keep=2")
+    proc = train(
+        run,
+        cli_env,
+        "launcher.nproc=2",
+        "sharding=full_shard",
+        "averager=none",
+        "train.steps=6",
+        "checkpoint=sharded",
+        "checkpoint.interval=2",
+        "checkpoint.keep=2",
+    )
     assert "resumed from" in proc.stdout and "step_4 at step 4" in proc.stdout
     assert "removing incomplete checkpoint" in proc.stdout
     assert steps_saved(run) == ["step_4", "step_6", "step_8"]  # the empty step_8 is not a checkpoint, left alone
@@ -198,12 +223,24 @@ def test_only_complete_checkpoints_count_and_leftovers_are_removed(tmp_path, cli
 @pytest.mark.slow
 def test_truncated_checkpoint_fails_with_the_path_and_writes_nothing(tmp_path, cli_env):
     run = tmp_path / "run"
-    train(run, cli_env, "launcher.nproc=2", "sharding=full_shard", "averager=none", "train.steps=2",
-          "checkpoint=sharded")
+    train(
+        run, cli_env, "launcher.nproc=2", "sharding=full_shard", "averager=none", "train.steps=2", "checkpoint=sharded"
+    )
     shard = run / "checkpoints" / "step_2" / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    proc = run_cli([*SMALL, f"hydra.run.dir={run}", "launcher.nproc=2", "sharding=full_shard", "averager=none",
-                    "train.steps=4", "checkpoint=sharded"], cli_env, REPO)
+    proc = run_cli(
+        [
+            *SMALL,
+            f"hydra.run.dir={run}",
+            "launcher.nproc=2",
+            "sharding=full_shard",
+            "averager=none",
+            "train.steps=4",
+            "checkpoint=sharded",
+        ],
+        cli_env,
+        REPO,
+    )
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
     assert f"loading '{run / 'checkpoints' / 'step_2'}' failed" in out and "checkpoint.resume=never" in out

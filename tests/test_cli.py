@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import FAST, REPO, check_ok, read_metrics, run_cli
+from support import FAST, REPO, check_ok, read_metrics, run_cli
 from wandb_reader import find_run_files, read_run
 
 pytestmark = pytest.mark.slow
@@ -17,9 +17,15 @@ def _run_dirs(root):
 def test_mission_command_under_torchrun_writes_one_run_dir_with_metrics_and_wandb(tmp_path, cli_env):
     """`torchrun --nproc-per-node 2 train.py optimizer=sgd averager.period=4`, rank 1 started 2.5 s late."""
     cli_env.pop("WANDB_MODE")
-    args = ["optimizer=sgd", "averager.period=4", "averager.warmup_steps=2", "train.steps=12", "train.log_every=3",
-            "model.n_layer=2"]
-    proc = run_cli(args, cli_env, tmp_path, torchrun_nproc=2, script=REPO / "tests" / "delayed_rank.py")
+    args = [
+        "optimizer=sgd",
+        "averager.period=4",
+        "averager.warmup_steps=2",
+        "train.steps=12",
+        "train.log_every=3",
+        "model.n_layer=2",
+    ]
+    proc = run_cli(args, cli_env, tmp_path, torchrun_nproc=2, script=REPO / "tests" / "probes" / "delayed_rank.py")
     check_ok(proc)
     stamps = sorted(p for p in (tmp_path / "outputs").glob("*/*"))
     assert len(stamps) == 1, f"ranks disagreed on the run dir: {stamps}"
@@ -32,8 +38,16 @@ def test_mission_command_under_torchrun_writes_one_run_dir_with_metrics_and_wand
     assert [r["step"] for r in rows if r["averager/averaged"]] == [3, 7, 11]
     log_rows = [r for r in rows if r["step"] in (1, 3, 6, 9, 12)]
     assert log_rows[-1]["train/loss"] < log_rows[0]["train/loss"]
-    for key in ("train/loss", "train/lr", "train/grad_norm", "train/step_time_s", "train/tokens_per_s",
-                "memory/max_rss_gb", "comm/grad_sync_bytes", "averager/step"):
+    for key in (
+        "train/loss",
+        "train/lr",
+        "train/grad_norm",
+        "train/step_time_s",
+        "train/tokens_per_s",
+        "memory/max_rss_gb",
+        "comm/grad_sync_bytes",
+        "averager/step",
+    ):
         assert all(key in r for r in log_rows), key
     assert all(r["averager/drift"] > 0 for r in rows if r["averager/averaged"])
     assert "step 12/12 | loss" in proc.stdout and "tok/s" in proc.stdout
@@ -57,21 +71,28 @@ def test_python_train_py_starts_its_own_ranks(tmp_path, cli_env):
 
 
 def test_hybrid_two_by_two_under_torchrun(tmp_path, cli_env):
-    proc = run_cli([*FAST, "sharding=hybrid_shard", "sharding.replicate=2", "optimizer=adamw", "hydra.run.dir=run"],
-                   cli_env, tmp_path, torchrun_nproc=4)
+    proc = run_cli(
+        [*FAST, "sharding=hybrid_shard", "sharding.replicate=2", "optimizer=adamw", "hydra.run.dir=run"],
+        cli_env,
+        tmp_path,
+        torchrun_nproc=4,
+    )
     check_ok(proc)
     assert "mesh {'replicate': 2, 'shard': 2}" in proc.stdout
     rows = read_metrics(tmp_path / "run")
     assert rows[-1]["train/loss"] < rows[0]["train/loss"]
 
 
-@pytest.mark.parametrize("args,error", [
-    (["averager.perod=4"], "Key 'perod' not in 'PeriodicAveragerConf'"),
-    (["train.steps=abc"], "Value 'abc' of type 'str' could not be converted to Integer"),
-    (["optimizer=sgdd"], "Could not find 'optimizer/sgdd'"),
-    (["+averager.perod=4"], "Unknown config key 'averager.perod'"),
-    (["sharding=full_shard"], "Fix: sharding=no_shard"),
-])
+@pytest.mark.parametrize(
+    "args,error",
+    [
+        (["averager.perod=4"], "Key 'perod' not in 'PeriodicAveragerConf'"),
+        (["train.steps=abc"], "Value 'abc' of type 'str' could not be converted to Integer"),
+        (["optimizer=sgdd"], "Could not find 'optimizer/sgdd'"),
+        (["+averager.perod=4"], "Unknown config key 'averager.perod'"),
+        (["sharding=full_shard"], "Fix: sharding=no_shard"),
+    ],
+)
 def test_bad_input_fails_at_startup_with_a_message(args, error, tmp_path, cli_env):
     proc = run_cli([*args, "hydra.run.dir=run"], cli_env, tmp_path)
     assert proc.returncode != 0
@@ -98,8 +119,18 @@ def test_text_data_on_two_ranks_builds_the_cache_once(tmp_path, cli_env):
     corpus.mkdir()
     for name in ("a", "b"):
         (corpus / f"{name}.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
-    proc = run_cli([*FAST, "data=text", f"data.root={corpus}", "data.glob=*.txt", f"data.cache_dir={tmp_path / 'cache'}",
-                    "hydra.run.dir=run"], cli_env, tmp_path)
+    proc = run_cli(
+        [
+            *FAST,
+            "data=text",
+            f"data.root={corpus}",
+            "data.glob=*.txt",
+            f"data.cache_dir={tmp_path / 'cache'}",
+            "hydra.run.dir=run",
+        ],
+        cli_env,
+        tmp_path,
+    )
     check_ok(proc)
     assert proc.stdout.count("cached 18000 bytes from 2 files") == 1
     assert len(list((tmp_path / "cache").iterdir())) == 1

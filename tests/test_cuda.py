@@ -9,10 +9,13 @@ import json
 import pytest
 import torch
 
-from conftest import FAST, check_ok, losses, read_metrics, run_cli
+from support import FAST, check_ok, losses, read_metrics, run_cli
 
-pytestmark = [pytest.mark.gpu, pytest.mark.slow,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
 ONE_REPLICA = ["train.device=cuda", "averager=none", "sharding=full_shard"]
 
@@ -48,20 +51,38 @@ def test_three_async_saves_on_cuda_and_resume(tmp_path, cli_env):
     buffers), then a resume from step 4 that follows the uninterrupted run.
     Compared with a tolerance: CUDA's embedding backward accumulates with
     atomics, so two uninterrupted runs differ in the last bits too."""
-    common = [*FAST, *ONE_REPLICA, "train.steps=6", "checkpoint=sharded", "checkpoint.async=true",
-              "checkpoint.interval=2", "checkpoint.keep=3"]
+    common = [
+        *FAST,
+        *ONE_REPLICA,
+        "train.steps=6",
+        "checkpoint=sharded",
+        "checkpoint.async=true",
+        "checkpoint.interval=2",
+        "checkpoint.keep=3",
+    ]
     a = tmp_path / "a"
     check_ok(run_cli([*common, f"hydra.run.dir={a}"], cli_env, tmp_path))
     assert sorted(p.name for p in (a / "checkpoints").iterdir()) == ["step_2", "step_4", "step_6"]
     b = tmp_path / "b"
-    check_ok(run_cli([*common, f"checkpoint.resume={a / 'checkpoints' / 'step_4'}",
-                      f"checkpoint.dir={b / 'checkpoints'}", f"hydra.run.dir={b}"], cli_env, tmp_path))
+    check_ok(
+        run_cli(
+            [
+                *common,
+                f"checkpoint.resume={a / 'checkpoints' / 'step_4'}",
+                f"checkpoint.dir={b / 'checkpoints'}",
+                f"hydra.run.dir={b}",
+            ],
+            cli_env,
+            tmp_path,
+        )
+    )
     assert losses(b)[-2:] == pytest.approx(losses(a)[-2:], rel=1e-3)
 
 
 def test_compiled_blocks_train_and_report_mfu(tmp_path, cli_env):
-    proc = run_cli([*FAST, *ONE_REPLICA, "model=gpt", "train.compile=true", "hydra.run.dir=run"], cli_env, tmp_path,
-                   timeout=600)
+    proc = run_cli(
+        [*FAST, *ONE_REPLICA, "model=gpt", "train.compile=true", "hydra.run.dir=run"], cli_env, tmp_path, timeout=600
+    )
     check_ok(proc)
     rows = [r for r in read_metrics(tmp_path / "run") if "train/loss" in r]
     assert rows[-1]["train/loss"] < rows[0]["train/loss"]
@@ -73,8 +94,21 @@ def test_ddp_trains_in_bf16_on_cuda(tmp_path, cli_env):
     """sharding=ddp autocasts to bf16 by default on CUDA (sharding.param_dtype=auto)."""
     runs = {}
     for dtype in ("auto", "float32"):
-        check_ok(run_cli([*FAST, "train.device=cuda", "sharding=ddp", "averager=none", "launcher.nproc=1",
-                          f"sharding.param_dtype={dtype}", f"hydra.run.dir={dtype}"], cli_env, tmp_path))
+        check_ok(
+            run_cli(
+                [
+                    *FAST,
+                    "train.device=cuda",
+                    "sharding=ddp",
+                    "averager=none",
+                    "launcher.nproc=1",
+                    f"sharding.param_dtype={dtype}",
+                    f"hydra.run.dir={dtype}",
+                ],
+                cli_env,
+                tmp_path,
+            )
+        )
         runs[dtype] = losses(tmp_path / dtype)
     assert runs["auto"] != runs["float32"]
     assert runs["auto"] == pytest.approx(runs["float32"], rel=2e-2)

@@ -9,27 +9,71 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REPO, TRAIN, check_ok, read_metrics, run_cli
-from test_checkpoint import SMALL, assert_bitwise_equal, loss_by_step, saved_state, steps_saved
+from support import (
+    REPO,
+    SMALL,
+    TRAIN,
+    assert_bitwise_equal,
+    check_ok,
+    loss_by_step,
+    read_metrics,
+    run_cli,
+    saved_state,
+    steps_saved,
+)
 
 # big enough that a save takes a while (the kill must land inside one), small enough for 2 cores
-MEDIUM = ["model=mlp", "model.d_model=256", "model.hidden=1024", "model.n_layer=4", "train.batch_size=4",
-          "train.seq_len=16", "train.log_every=1"]
-LOCAL_SGD = ["launcher.nproc=2", "sharding=no_shard", "optimizer=adamw", "averager=periodic",
-             "averager.warmup_steps=2", "averager.period=4"]
+MEDIUM = [
+    "model=mlp",
+    "model.d_model=256",
+    "model.hidden=1024",
+    "model.n_layer=4",
+    "train.batch_size=4",
+    "train.seq_len=16",
+    "train.log_every=1",
+]
+LOCAL_SGD = [
+    "launcher.nproc=2",
+    "sharding=no_shard",
+    "optimizer=adamw",
+    "averager=periodic",
+    "averager.warmup_steps=2",
+    "averager.period=4",
+]
 
 
 def start(args: list[str], env: dict, torchrun_nproc: int | None = None) -> subprocess.Popen:
-    cmd = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(torchrun_nproc),
-            "--max-restarts", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", str(TRAIN)]
-           if torchrun_nproc else [sys.executable, str(TRAIN)])
-    return subprocess.Popen([*cmd, *args], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    cmd = (
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(torchrun_nproc),
+            "--max-restarts",
+            "2",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            "localhost:0",
+            str(TRAIN),
+        ]
+        if torchrun_nproc
+        else [sys.executable, str(TRAIN)]
+    )
+    return subprocess.Popen(
+        [*cmd, *args],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def wait_for(predicate, proc: subprocess.Popen, timeout: float = 180, poll: float = 0.002):
@@ -80,8 +124,9 @@ def test_kill_during_a_save_then_rerun_resumes_from_the_previous_checkpoint_bitw
     assert "step_3 at step 3" in rerun.stdout and "removing incomplete checkpoint" in rerun.stdout
     assert {p.name: p.stat().st_mtime_ns for p in (b / "checkpoints" / "step_3").iterdir()} == before
     assert steps_saved(b) == ["step_3", "step_6", "step_9"]
-    assert_bitwise_equal(saved_state(a / "checkpoints" / "step_9", tmp_path),
-                         saved_state(b / "checkpoints" / "step_9", tmp_path))
+    assert_bitwise_equal(
+        saved_state(a / "checkpoints" / "step_9", tmp_path), saved_state(b / "checkpoints" / "step_9", tmp_path)
+    )
     assert loss_by_step(b) == loss_by_step(a)
     steps = [row["step"] for row in read_metrics(b)]
     assert steps == sorted(steps), "metrics.jsonl keeps one ordered x-axis across the kill"
@@ -89,21 +134,34 @@ def test_kill_during_a_save_then_rerun_resumes_from_the_previous_checkpoint_bitw
 
 @pytest.mark.slow
 def test_killed_rank_is_restarted_by_torchrun_and_the_run_ends_bitwise_equal(tmp_path, cli_env):
-    args = [*SMALL, "sharding=no_shard", "optimizer=adamw", "averager=periodic", "averager.warmup_steps=2",
-            "averager.period=4", "checkpoint=sharded", "checkpoint.interval=5", "train.steps=14"]
+    args = [
+        *SMALL,
+        "sharding=no_shard",
+        "optimizer=adamw",
+        "averager=periodic",
+        "averager.warmup_steps=2",
+        "averager.period=4",
+        "checkpoint=sharded",
+        "checkpoint.interval=5",
+        "train.steps=14",
+    ]
     a, b = tmp_path / "a", tmp_path / "b"
     check_ok(run_cli([*args, f"hydra.run.dir={a}"], cli_env, REPO, torchrun_nproc=2))
 
     proc = start([*args, f"hydra.run.dir={b}"], cli_env, torchrun_nproc=2)
-    wait_for(lambda: (b / "checkpoints" / "step_5").exists() and
-             any(row["step"] >= 7 for row in read_metrics(b)), proc, poll=0.01)  # between averaging steps
+    wait_for(
+        lambda: (b / "checkpoints" / "step_5").exists() and any(row["step"] >= 7 for row in read_metrics(b)),
+        proc,
+        poll=0.01,
+    )  # between averaging steps
     workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
     os.kill(int(workers[-1]), signal.SIGKILL)
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, out[-3000:]
 
-    assert_bitwise_equal(saved_state(a / "checkpoints" / "step_14", tmp_path),
-                         saved_state(b / "checkpoints" / "step_14", tmp_path))
+    assert_bitwise_equal(
+        saved_state(a / "checkpoints" / "step_14", tmp_path), saved_state(b / "checkpoints" / "step_14", tmp_path)
+    )
     rows = read_metrics(b)
     [resumed] = [r for r in rows if "run/resumed_from_step" in r]
     assert resumed["run/resumed_from_step"] == 5 and resumed["run/restarts"] == 1
@@ -115,8 +173,11 @@ def test_killed_rank_is_restarted_by_torchrun_and_the_run_ends_bitwise_equal(tmp
 def test_nonfinite_loss_stops_at_that_step_and_no_checkpoint_holds_it(tmp_path, cli_env):
     run = tmp_path / "run"
     blowup = ["optimizer=sgd", "optimizer.lr=1e9", "train.grad_clip=0", "averager=none", "sharding=full_shard"]
-    proc = run_cli([*SMALL, *blowup, "train.steps=6", "checkpoint=sharded", "checkpoint.interval=1",
-                    f"hydra.run.dir={run}"], cli_env, REPO)
+    proc = run_cli(
+        [*SMALL, *blowup, "train.steps=6", "checkpoint=sharded", "checkpoint.interval=1", f"hydra.run.dir={run}"],
+        cli_env,
+        REPO,
+    )
     assert proc.returncode == 1
     assert "not finite (NaN/inf) at step 2" in proc.stdout and "train.nonfinite=skip" in proc.stdout
     assert steps_saved(run) == ["step_1"]
@@ -124,20 +185,43 @@ def test_nonfinite_loss_stops_at_that_step_and_no_checkpoint_holds_it(tmp_path, 
     assert all(torch.isfinite(t).all() for t in saved["model"].values())
 
     skip = tmp_path / "skip"
-    proc = run_cli([*SMALL, *blowup, "train.steps=4", "train.nonfinite=skip", "checkpoint=sharded",
-                    "checkpoint.interval=1", "checkpoint.keep=4", f"hydra.run.dir={skip}"], cli_env, REPO)
+    proc = run_cli(
+        [
+            *SMALL,
+            *blowup,
+            "train.steps=4",
+            "train.nonfinite=skip",
+            "checkpoint=sharded",
+            "checkpoint.interval=1",
+            "checkpoint.keep=4",
+            f"hydra.run.dir={skip}",
+        ],
+        cli_env,
+        REPO,
+    )
     check_ok(proc)
     assert [r["step"] for r in read_metrics(skip) if r.get("train/skipped_nonfinite")] == [2, 3, 4]
     # skipped steps leave the parameters as they were after step 1
-    assert_bitwise_equal(saved_state(skip / "checkpoints" / "step_4", tmp_path)["model"],
-                         saved_state(skip / "checkpoints" / "step_1", tmp_path)["model"])
+    assert_bitwise_equal(
+        saved_state(skip / "checkpoints" / "step_4", tmp_path)["model"],
+        saved_state(skip / "checkpoints" / "step_1", tmp_path)["model"],
+    )
 
 
 @pytest.mark.slow
 def test_a_rank_that_stops_responding_ends_the_job_after_dist_timeout(tmp_path, cli_env):
     run = tmp_path / "run"
-    proc = start([*SMALL, "averager=none", "sharding=full_shard", "train.steps=100000", "dist.timeout_s=5",
-                  f"hydra.run.dir={run}"], cli_env)
+    proc = start(
+        [
+            *SMALL,
+            "averager=none",
+            "sharding=full_shard",
+            "train.steps=100000",
+            "dist.timeout_s=5",
+            f"hydra.run.dir={run}",
+        ],
+        cli_env,
+    )
     wait_for(lambda: (run / "metrics.jsonl").exists() and len(read_metrics(run)) >= 2, proc, poll=0.05)
     workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
     stopped = int(workers[0])

@@ -9,12 +9,20 @@ import pytest
 from omegaconf import OmegaConf
 
 from harness.metrics import MetricsSink
+
 from wandb_reader import find_run_files, read_run
 
 
 def wandb_cfg(**kw):
-    base = {"mode": "offline", "project": "p", "entity": None, "group": "g", "name": None, "tags": ["t"],
-            "init_timeout_s": 90.0}
+    base = {
+        "mode": "offline",
+        "project": "p",
+        "entity": None,
+        "group": "g",
+        "name": None,
+        "tags": ["t"],
+        "init_timeout_s": 90.0,
+    }
     return OmegaConf.create({**base, **kw})
 
 

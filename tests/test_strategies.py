@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import FAST, base_env, check_ok, losses, run_cli
+from support import FAST, base_env, check_ok, losses, run_cli
 
 pytestmark = pytest.mark.slow
 GLOBAL_BATCH = 8
@@ -21,23 +21,44 @@ def reference(tmp_path_factory):
     """One process (launcher.nproc=1), global batch, synchronous."""
     tmp = tmp_path_factory.mktemp("reference")
     env = base_env(tmp)
-    proc = run_cli([*FAST, "launcher.nproc=1", "averager=none", "sharding=full_shard",
-                    f"train.batch_size={GLOBAL_BATCH}", f"hydra.run.dir={tmp / 'run'}"], env, tmp)
+    proc = run_cli(
+        [
+            *FAST,
+            "launcher.nproc=1",
+            "averager=none",
+            "sharding=full_shard",
+            f"train.batch_size={GLOBAL_BATCH}",
+            f"hydra.run.dir={tmp / 'run'}",
+        ],
+        env,
+        tmp,
+    )
     check_ok(proc)
     return losses(tmp / "run")
 
 
 LAYOUTS = [
-    ("full_shard", 2, None), ("shard_grad_op", 2, None), ("hybrid_shard", 2, 2), ("hybrid_shard_zero2", 2, 2),
-    ("no_shard", 2, None), ("ddp", 2, None), ("hybrid_shard", 4, 2),
+    ("full_shard", 2, None),
+    ("shard_grad_op", 2, None),
+    ("hybrid_shard", 2, 2),
+    ("hybrid_shard_zero2", 2, 2),
+    ("no_shard", 2, None),
+    ("ddp", 2, None),
+    ("hybrid_shard", 4, 2),
 ]
 
 
 @pytest.mark.parametrize("strategy,nproc,replicate", LAYOUTS, ids=[f"{s}@{n}" for s, n, _ in LAYOUTS])
 def test_strategy_trains_and_matches_single_process(strategy, nproc, replicate, reference, tmp_path):
     run_dir = tmp_path / "run"
-    args = [*FAST, f"launcher.nproc={nproc}", "averager=none", f"sharding={strategy}",
-            f"train.batch_size={GLOBAL_BATCH // nproc}", f"hydra.run.dir={run_dir}"]
+    args = [
+        *FAST,
+        f"launcher.nproc={nproc}",
+        "averager=none",
+        f"sharding={strategy}",
+        f"train.batch_size={GLOBAL_BATCH // nproc}",
+        f"hydra.run.dir={run_dir}",
+    ]
     if replicate:
         args.append(f"sharding.replicate={replicate}")
     proc = run_cli(args, base_env(tmp_path), tmp_path)

@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import FAST, TRAIN, base_env, check_ok, read_metrics, run_cli
 from harness.launch import free_port
 from harness.report import main as report_main
+
+from support import FAST, TRAIN, base_env, check_ok, read_metrics, run_cli
 from wandb_reader import find_run_files, read_run
 
 pytestmark = pytest.mark.slow
@@ -43,8 +44,12 @@ def test_sweep_jobs_get_their_own_ranks_wandb_runs_and_one_report(tmp_path):
     proc = run_cli(["-m", *SWEEP, "optimizer=sgd,adamw", "averager.period=2,4"], env, tmp_path)
     check_ok(proc)
     sweep = tmp_path / "sweep"
-    names = {"optimizer=sgd,averager.period=2", "optimizer=sgd,averager.period=4",
-             "optimizer=adamw,averager.period=2", "optimizer=adamw,averager.period=4"}
+    names = {
+        "optimizer=sgd,averager.period=2",
+        "optimizer=sgd,averager.period=4",
+        "optimizer=adamw,averager.period=2",
+        "optimizer=adamw,averager.period=4",
+    }
     assert "harness: sweep" in proc.stdout and "4 of 4 jobs completed" in proc.stdout
     assert proc.stdout.count("starting 2 local ranks") == 4
     assert (sweep / "multirun.yaml").exists()
@@ -68,8 +73,14 @@ def test_sweep_jobs_get_their_own_ranks_wandb_runs_and_one_report(tmp_path):
     assert set(runs) == names
     # W&B's own CLI sees four offline runs it would upload
     offline = sorted(str(p) for p in sweep.glob("*/wandb/offline-run-*"))
-    sync = subprocess.run([sys.executable, "-m", "wandb", "sync", "--dry-run", *offline], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
+    sync = subprocess.run(
+        [sys.executable, "-m", "wandb", "sync", "--dry-run", *offline],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert sync.returncode == 0 and "Would sync 4 run(s)" in sync.stdout + sync.stderr, sync.stdout + sync.stderr
     period = {name: runs[name]["config"]["averager"]["period"] for name in names}
     assert period == {name: int(name[-1]) for name in names}
@@ -93,8 +104,7 @@ def test_sweep_jobs_get_their_own_ranks_wandb_runs_and_one_report(tmp_path):
 def test_a_failing_job_fails_alone_and_the_sweep_exits_non_zero(tmp_path, cli_env):
     """Job 0: a value validate refuses (exit 2); job 1: NaN loss raised on the ranks (exit 1);
     jobs 2 and 3 run after them."""
-    proc = run_cli(["-m", *SWEEP, "optimizer=sgd", "optimizer.lr=1e9,0.05", "averager.period=0,2"],
-                   cli_env, tmp_path)
+    proc = run_cli(["-m", *SWEEP, "optimizer=sgd", "optimizer.lr=1e9,0.05", "averager.period=0,2"], cli_env, tmp_path)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     sweep = tmp_path / "sweep"
     jobs = results(sweep)
@@ -162,13 +172,44 @@ def test_two_nodes_shard_inside_a_node_and_average_across_nodes(tmp_path, cli_en
     hybrid_shard's default layout is one replica per node, and the replicas
     (so the nodes) are averaged: their final copies are identical."""
     port = free_port()
-    args = [*FAST, "train.steps=13", "averager.warmup_steps=4", "averager.period=4", "checkpoint=full",
-            "checkpoint.interval=13", "hydra.run.dir=run"]
-    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(n),
-                               "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}",
-                               "--rdzv-id", "two-nodes", str(TRAIN), *args],
-                              env=cli_env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for n in (0, 1)]
+    args = [
+        *FAST,
+        "train.steps=13",
+        "averager.warmup_steps=4",
+        "averager.period=4",
+        "checkpoint=full",
+        "checkpoint.interval=13",
+        "hydra.run.dir=run",
+    ]
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(n),
+                "--nproc-per-node",
+                "2",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"localhost:{port}",
+                "--rdzv-id",
+                "two-nodes",
+                str(TRAIN),
+                *args,
+            ],
+            env=cli_env,
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n in (0, 1)
+    ]
     for node in nodes:
         out, err = node.communicate(timeout=240)
         assert node.returncode == 0, out[-3000:] + err[-3000:]

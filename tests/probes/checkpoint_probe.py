@@ -1,7 +1,7 @@
 """torchrun entry for tests: build a job from overrides, load a checkpoint into
 it with the harness's own `restore`, and write what the model then holds.
 
-Usage: torchrun --nproc-per-node N tests/checkpoint_probe.py CKPT OUT.pt [hydra overrides...]
+Usage: torchrun --nproc-per-node N tests/probes/checkpoint_probe.py CKPT OUT.pt [hydra overrides...]
 Writes OUT.pt (rank 0): {"model": FQN -> full tensor, "step": int, "samples": int}.
 """
 
@@ -14,13 +14,14 @@ import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from harness.checkpoint import gather_full  # noqa: E402
 from harness.config import register_configs  # noqa: E402
 from harness.dist import init_distributed, teardown  # noqa: E402
-from harness.loop import TrainState, build_job, restore  # noqa: E402
+from harness.job import build_job  # noqa: E402
+from harness.loop import TrainState, restore  # noqa: E402
 
 
 def main(ckpt: str, out: str, overrides: list[str]) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 if os.environ.get("RANK") == "1":
     time.sleep(2.5)
-train = Path(__file__).resolve().parents[1] / "train.py"
+train = Path(__file__).resolve().parents[2] / "train.py"
 sys.argv[0] = str(train)
 sys.path.insert(0, str(train.parent))  # as `python train.py` would
 runpy.run_path(str(train), run_name="__main__")

@@ -2,7 +2,7 @@
 one step at a time, and record after every step which replicas hold
 bit-identical local shards.
 
-Usage: torchrun --nproc-per-node N tests/replica_probe.py OUT.json [hydra overrides...]
+Usage: torchrun --nproc-per-node N tests/probes/replica_probe.py OUT.json [hydra overrides...]
 Writes OUT.json (rank 0): one record per step, and OUT.pt: the final full parameters.
 """
 
@@ -16,13 +16,14 @@ import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 from torch.distributed.tensor import DTensor
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from harness.checkpoint import Checkpointer  # noqa: E402
-from harness.config import register_configs  # noqa: E402
+from harness.checkpoint import Checkpointer, checkpoint_dir  # noqa: E402
+from harness.config import plain, register_configs  # noqa: E402
 from harness.dist import init_distributed, teardown  # noqa: E402
-from harness.loop import TrainState, build_job, train  # noqa: E402
+from harness.job import build_job  # noqa: E402
+from harness.loop import TrainState, train  # noqa: E402
 
 
 class Rows:
@@ -56,16 +57,27 @@ def main(out: str, overrides: list[str]) -> None:
         cfg = compose("config", overrides=["wandb.mode=disabled", "train.log_every=1", *overrides])
     env = init_distributed(cfg.train.device, cfg.dist.timeout_s, cfg.dist.threads_per_rank)
     job, sink, state, records = build_job(cfg, env), Rows(), TrainState(), []
-    checkpointer = Checkpointer(cfg, Path(out).parent, env.rank, env.device)  # checkpoint=none: saves nothing
+    checkpointer = Checkpointer(
+        cfg.checkpoint, checkpoint_dir(cfg.checkpoint, Path(out).parent), env.rank, env.device, plain(cfg)
+    )  # checkpoint=none: saves nothing
     total_steps = cfg.train.steps
     for step in range(1, total_steps + 1):
         cfg.train.steps = step
         train(job, sink, cfg.train, env, state, checkpointer)
-        records.append({"step": step, "same": replica_equality(job),
-                        "local_numel": sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel()
-                                           for p in job.model.parameters()), **sink.rows[step]})
-    params = {name.removeprefix("module."): (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-              for name, p in job.model.named_parameters()}
+        records.append(
+            {
+                "step": step,
+                "same": replica_equality(job),
+                "local_numel": sum(
+                    p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in job.model.parameters()
+                ),
+                **sink.rows[step],
+            }
+        )
+    params = {
+        name.removeprefix("module."): (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for name, p in job.model.named_parameters()
+    }
     if env.is_main:
         Path(out).write_text(json.dumps(records))
         torch.save(params, Path(out).with_suffix(".pt"))

@@ -1,0 +1,28 @@
+"""Checkpoints: `checkpoint=full` or `sharded` (+ `async`); see `files` for the
+on-disk format, `replicas` for diverged replicas, `checkpointer` for saving
+and loading."""
+
+from harness.checkpoint.checkpointer import Checkpointer, load
+from harness.checkpoint.files import (
+    CheckpointError,
+    check_compatible,
+    checkpoint_dir,
+    complete_checkpoints,
+    read_meta,
+    resume_path,
+)
+from harness.checkpoint.full import gather_full
+from harness.checkpoint.replicas import inner_optimizer
+
+__all__ = [
+    "Checkpointer",
+    "CheckpointError",
+    "check_compatible",
+    "checkpoint_dir",
+    "complete_checkpoints",
+    "gather_full",
+    "inner_optimizer",
+    "load",
+    "read_meta",
+    "resume_path",
+]

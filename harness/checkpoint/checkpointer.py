@@ -1,0 +1,261 @@
+"""Saving on schedule and loading at start, whatever the mode: `Checkpointer`
+and `load`. What a checkpoint holds is the model and optimizer (written by the
+mode: `full` or `sharded`), every rank's RNG states, and the job's named
+stateful parts (`Job.checkpoint_parts`); the mode only decides how the tensors
+reach the disk."""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from harness.checkpoint.files import RNG_FILE, CheckpointError, commit, read_meta, remove_leftovers
+from harness.checkpoint.full import FullMode
+from harness.checkpoint.replicas import inner_optimizer, load_mean_of_copies, local_tensors, replica_layout
+from harness.checkpoint.sharded import AsyncShardedMode, ShardedMode
+from harness.config import CheckpointConf
+from harness.dist import synchronize, true_on_every_rank
+from harness.job import Job, Stateful
+from harness.rng import rng_state, set_rng_state
+
+log = logging.getLogger(__name__)
+
+MODES = {"full": FullMode, "sharded": ShardedMode}
+
+
+@dataclass
+class PendingSave:
+    """An async save in flight."""
+
+    staged: Future  # the host copy of the state is complete
+    written: Future  # ... and on disk
+    partial: Path
+    meta: dict
+    rngs: list | None  # rank 0: every rank's RNG states, written at commit
+    started: float
+    staging_wait_s: float = 0.0
+
+
+class Checkpointer:
+    """Saves on schedule (at most one async save in flight).
+
+    Collective: every rank calls `wait_for_staging` before each optimizer step,
+    `after_step` after it, and `wait` then `close` at the end. Only rank 0
+    writes `meta.json` and `rng.pt`, renames and deletes.
+    """
+
+    def __init__(self, cfg: CheckpointConf, root: Path, rank: int, device: torch.device, run_config: dict):
+        """`run_config`: the resolved config as plain values, recorded in meta.json."""
+        self.cfg, self.root, self.rank, self.device = cfg, root, rank, device
+        self.run_config = run_config
+        self.mode = (AsyncShardedMode(device) if cfg["async"] else MODES[cfg.mode]()) if cfg.mode != "none" else None
+        self.pending: PendingSave | None = None
+
+    @property
+    def async_save(self) -> bool:
+        return isinstance(self.mode, AsyncShardedMode)
+
+    def due(self, step: int, last_step: int) -> bool:
+        return self.mode is not None and (step % self.cfg.interval == 0 or step == last_step)
+
+    def after_step(self, job: Job, step: int, last_step: int) -> dict:
+        """Save if `step` is due; report an async save that finished. Returns metrics for this step."""
+        row = self._poll()
+        if self.due(step, last_step):
+            row.update(self.save(job, step))
+        return row
+
+    def save(self, job: Job, step: int) -> dict:
+        row = self.wait()  # at most one save in flight
+        synchronize(self.device)  # the step's queued work is not the save's time
+        start = time.perf_counter()
+        partial = self._open_partial(step)
+        self._refuse_nonfinite(job, step)
+        layout = replica_layout(job)
+        meta = {
+            "step": step,
+            "mode": self.cfg.mode,
+            **{name: part.state_dict() for name, part in job.checkpoint_parts().items()},
+            "world_size": dist.get_world_size(),
+            "replica_copies": layout.replicas if layout.diverged else 1,
+            "mesh": dict(zip(job.mesh.mesh_dim_names, job.mesh.shape)),
+            "model": self.run_config["model"],
+            "optimizer": self.run_config["optimizer"]["_target_"],
+            "torch": torch.__version__,
+            "config": self.run_config,
+        }
+        rngs = [None] * dist.get_world_size() if self.rank == 0 else None
+        dist.gather_object(rng_state(), rngs, dst=0)
+        payload = self.mode.stage(*get_state_dict(job.model, inner_optimizer(job.optimizer)), layout)
+        synchronize(self.device)
+        timings = {"checkpoint/state_dict_s": time.perf_counter() - start, "checkpoint/mode": self.mode.name}
+        if self.async_save:
+            staged, written = self.mode.start(payload, partial)
+            self.pending = PendingSave(staged, written, partial, meta, rngs, start)
+            return {**row, **timings, "checkpoint/save_s": time.perf_counter() - start}
+        with _writing(step, partial):
+            self.mode.write(payload, layout, partial)
+        dist.barrier()  # every rank's part is on disk
+        written = self._commit(partial, meta, rngs)
+        save_s = time.perf_counter() - start
+        return {
+            **row,
+            **timings,
+            "checkpoint/save_s": save_s,
+            "checkpoint/write_s": save_s - timings["checkpoint/state_dict_s"],
+            **written,
+        }
+
+    def wait_for_staging(self) -> None:
+        """Before parameters change: the async save in flight has its own copy of them."""
+        if self.pending is not None and not self.pending.staged.done():
+            start = time.perf_counter()
+            self.pending.staged.result()
+            self.pending.staging_wait_s += time.perf_counter() - start
+
+    def wait(self) -> dict:
+        """Block until the save in flight (if any) is durable; its metrics."""
+        if self.pending is None:
+            return {}
+        pending, self.pending = self.pending, None
+        with _writing(pending.meta["step"], pending.partial):
+            pending.written.result()
+        # DCP's coordinator (rank 0) writes .metadata only after every rank's
+        # files are written, so when rank 0's future is done the checkpoint is.
+        written = self._commit(pending.partial, pending.meta, pending.rngs)
+        return {
+            "checkpoint/write_s": time.perf_counter() - pending.started,
+            "checkpoint/staging_wait_s": pending.staging_wait_s,
+            **written,
+        }
+
+    def close(self) -> None:
+        if self.async_save:
+            self.mode.close()
+
+    def _poll(self) -> dict:
+        # Only rank 0 commits; every rank collects its own future's outcome so
+        # background errors surface. No collective here: ranks finish at different steps.
+        if self.pending is not None and self.pending.written.done():
+            return self.wait()
+        return {}
+
+    def _open_partial(self, step: int) -> Path:
+        partial = self.root / f"step_{step}.partial"
+        if self.rank == 0:
+            remove_leftovers(self.root)
+            partial.mkdir(parents=True)
+        dist.barrier()
+        return partial
+
+    def _refuse_nonfinite(self, job: Job, step: int) -> None:
+        tensors = local_tensors(job.model, inner_optimizer(job.optimizer))
+        if not true_on_every_rank(torch.stack([torch.isfinite(t).all() for t in tensors]).all()):
+            raise CheckpointError(
+                f"refusing to save step {step}: parameters or optimizer state hold NaN/inf, and a "
+                "checkpoint must never hold them. Fix: lower optimizer.lr or keep train.grad_clip > 0, "
+                "and resume from the last checkpoint."
+            )
+
+    def _commit(self, partial: Path, meta: dict, rngs: list | None) -> dict:
+        if self.rank != 0:
+            return {}
+        with _writing(meta["step"], partial):
+            return {"checkpoint/bytes": commit(partial, meta, rngs, self.cfg.keep)}
+
+
+def load(path: Path, job: Job, rank: int) -> tuple[dict, dict]:
+    """Restore model, optimizer, RNG states and the job's stateful parts from the
+    checkpoint at `path`; returns (meta, metrics). Collective. Raises
+    CheckpointError naming the path when a file is missing or damaged."""
+    start = time.perf_counter()
+    meta = read_meta(path)
+    layout = replica_layout(job)
+    copies = meta["replica_copies"]
+    mode = MODES[meta["mode"]]()
+    optim = inner_optimizer(job.optimizer)
+
+    def load_copy(copy_key: str | None) -> float:
+        with _loading(path):
+            return mode.load_copy(path, copy_key, job.model, optim)
+
+    if copies == 1:
+        set_s = load_copy(None)
+    elif layout.local_sgd and copies == layout.replicas:
+        set_s = load_copy(f"replica_{layout.replica}" if layout.replica > 0 else None)
+    else:
+        if rank == 0:
+            log.warning(
+                "checkpoint %s holds %d diverged replicas, this run has %d%s: every replica starts from their mean",
+                path,
+                copies,
+                layout.replicas,
+                "" if layout.local_sgd else " and no averager",
+            )
+        set_s = load_mean_of_copies(job, copies, load_copy)
+    _restore_rngs(path, rank)
+    parts: dict[str, Stateful] = job.checkpoint_parts()
+    for name, part in parts.items():
+        part.load_state_dict({"step": meta["step"], **meta.get(name, {})})
+    synchronize(job.data.device)
+    return meta, {"checkpoint/load_s": time.perf_counter() - start, "checkpoint/set_state_dict_s": set_s}
+
+
+def _restore_rngs(path: Path, rank: int) -> None:
+    try:
+        rngs = torch.load(path / RNG_FILE, weights_only=True)
+    except Exception as e:
+        raise CheckpointError(
+            f"checkpoint.resume: {str(path / RNG_FILE)!r} is missing or damaged ({_describe(e)}). "
+            "Fix: resume from an earlier checkpoint, or checkpoint.resume=never."
+        ) from e
+    if len(rngs) == dist.get_world_size():
+        set_rng_state(rngs[rank])
+    elif rank == 0:
+        log.warning(
+            "checkpoint %s was saved by %d ranks, this run has %d: RNG states not restored",
+            path,
+            len(rngs),
+            dist.get_world_size(),
+        )
+
+
+def _describe(e: BaseException) -> str:
+    """`Type: first line` of the error, or of the first rank's error inside DCP's CheckpointException."""
+    cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) and e.failures else e
+    return ": ".join([type(cause).__name__, *str(cause).splitlines()[:1]])[:300]
+
+
+@contextmanager
+def _writing(step: int, partial: Path):
+    """A failed write (disk full, permissions) as one message; the save stays uncommitted."""
+    try:
+        yield
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+        raise CheckpointError(
+            f"saving checkpoint step {step} to {str(partial)!r} failed ({_describe(e)}); it was not committed and "
+            "earlier checkpoints are untouched. Fix: if the disk is full, free space or point checkpoint.dir at a "
+            "disk with room (checkpoint/bytes in metrics.jsonl says how much one takes); if another rank died, "
+            "its log says why."
+        ) from e
+
+
+@contextmanager
+def _loading(path: Path):
+    try:
+        yield
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+        raise CheckpointError(
+            f"checkpoint.resume: loading {str(path)!r} failed ({_describe(e)}). "
+            "The checkpoint is damaged or does not match this model. Fix: resume from an earlier checkpoint "
+            "(checkpoint.resume=<its step_<N> dir>) or start fresh (checkpoint.resume=never)."
+        ) from e

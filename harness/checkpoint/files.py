@@ -1,0 +1,156 @@
+"""The files of a checkpoint, and finding them. Pure: no torch.distributed, so
+`harness.preflight` can check a checkpoint before any process group exists.
+
+One checkpoint is a directory `<checkpoint.dir>/step_<N>/`:
+
+    meta.json       step, mode, layout, replica copies, model config, the resolved
+                    config, byte count, and every stateful part's small state
+                    (`data`: the data position, `cross_replica`: the averager's clock)
+    rng.pt          every rank's RNG states, a list indexed by global rank
+    full mode:      full.pt - {"model": FQN -> tensor, "optim": FQN-keyed state},
+                    plain tensors, loadable with torch.load(weights_only=True)
+    sharded mode:   a DCP directory (.metadata + one file per rank)
+
+Atomicity: every file is written under `step_<N>.partial/`; rank 0 writes
+`meta.json` once every rank's part is on disk, and then renames the directory
+to `step_<N>/`. Only renamed directories with a `meta.json` count, so a save
+killed halfway never hides or damages the previous checkpoint, and the next
+save deletes the leftover `.partial` directory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+
+STEP_DIR = re.compile(r"^step_(\d+)$")
+META = "meta.json"
+RNG_FILE = "rng.pt"
+# model configs in meta.json before components were chosen by `_target_`
+LEGACY_MODEL_NAMES = {"gpt": "harness.models.GPT", "mlp": "harness.models.TokenMLP"}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used or written; the message names the path and the fix."""
+
+
+def checkpoint_dir(cfg: DictConfig, run_dir: Path) -> Path:
+    """Where checkpoints go: `checkpoint.dir`, or `<run dir>/checkpoints`."""
+    return Path(os.path.expanduser(cfg.dir)) if cfg.dir else run_dir / "checkpoints"
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """`step_<N>` directories under `root` that hold a `meta.json`, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and (p / META).is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def resume_path(cfg: DictConfig, run_dir: Path) -> Path | None:
+    """The checkpoint `checkpoint.resume` asks for: None (start fresh) or a `step_<N>` dir."""
+    if cfg.resume == "never":
+        return None
+    if cfg.resume == "auto":
+        done = complete_checkpoints(checkpoint_dir(cfg, run_dir))
+        return done[-1] if done else None
+    path = Path(os.path.expanduser(cfg.resume))
+    if not (path / META).is_file():  # a checkpoints folder: its newest complete one
+        done = complete_checkpoints(path)
+        return done[-1] if done else path  # read_meta names what is missing
+    return path
+
+
+def read_meta(path: Path) -> dict:
+    """`meta.json` of the checkpoint at `path`; CheckpointError when missing or unreadable."""
+    fix = "Fix: point checkpoint.resume at a step_<N> directory written by harness, or checkpoint.resume=never."
+    if not path.exists():
+        raise CheckpointError(f"checkpoint.resume={str(path)!r}: no such file or directory. {fix}")
+    try:
+        return json.loads((path / META).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"checkpoint.resume={str(path)!r} is not a complete checkpoint: it has no {META} "
+            f"(a save that did not finish, or not a harness checkpoint). {fix}"
+        ) from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(
+            f"checkpoint.resume={str(path)!r}: {META} is unreadable ({e}); the checkpoint is corrupt. {fix}"
+        ) from None
+
+
+def check_compatible(meta: dict, cfg: DictConfig, path: Path) -> list[str]:
+    """Why the checkpoint at `path` cannot resume the run configured by `cfg` (empty: it can)."""
+    errors = []
+    saved_model = dict(meta["model"])
+    if "name" in saved_model and "_target_" not in saved_model:
+        saved_model["_target_"] = LEGACY_MODEL_NAMES.get(saved_model.pop("name"))
+    model = OmegaConf.to_container(cfg.model, resolve=True)
+    diffs = [
+        f"model.{k}: saved {saved_model.get(k)!r}, configured {model.get(k)!r}"
+        for k in sorted(set(saved_model) | set(model))
+        if saved_model.get(k) != model.get(k)
+    ]
+    if diffs:
+        errors.append(
+            f"checkpoint.resume: the checkpoint at {str(path)!r} holds another model ({'; '.join(diffs)}). "
+            "Fix: set the model to the saved one (the overrides above), or checkpoint.resume=never "
+            "with a new hydra.run.dir to start fresh."
+        )
+    if meta["optimizer"] != cfg.optimizer._target_:
+        errors.append(
+            f"checkpoint.resume: the checkpoint at {str(path)!r} holds {meta['optimizer']} state, but "
+            f"optimizer._target_={cfg.optimizer._target_}. Fix: resume with the saved optimizer, or "
+            "checkpoint.resume=never with a new hydra.run.dir."
+        )
+    return errors
+
+
+def write_durably(obj: Any, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def commit(partial: Path, meta: dict, rngs: list, keep: int) -> int:
+    """Make `partial` a complete checkpoint (rank 0, once every rank's files are
+    on disk): rng.pt, meta.json, fsync, rename; then drop all but the newest
+    `keep`. Returns its size in bytes."""
+    write_durably(rngs, partial / RNG_FILE)
+    meta["bytes"] = sum(p.stat().st_size for p in partial.rglob("*") if p.is_file())
+    (partial / META).write_text(json.dumps(meta, indent=1))
+    _fsync_dir(partial)
+    final = partial.with_name(partial.name.removesuffix(".partial"))
+    partial.rename(final)
+    _fsync_dir(final.parent)
+    for old in complete_checkpoints(final.parent)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    log.info("checkpoint step %d saved to %s (%.1f MB)", meta["step"], final, meta["bytes"] / 1e6)
+    return meta["bytes"]
+
+
+def remove_leftovers(root: Path) -> None:
+    """`.partial` directories of saves that never finished (a crash, a kill)."""
+    if root.is_dir():
+        for p in root.glob("step_*.partial"):
+            log.warning("removing incomplete checkpoint %s", p)
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

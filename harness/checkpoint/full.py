@@ -1,0 +1,65 @@
+"""`checkpoint=full`: one file of plain, whole tensors per replica copy,
+`full.pt` = {"model": FQN -> tensor, "optim": FQN-keyed state}, loadable with
+`torch.load(weights_only=True)` anywhere, torch.distributed or not."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+from torch.distributed.tensor import DTensor
+
+from harness.checkpoint.files import write_durably
+from harness.checkpoint.replicas import Layout
+
+FULL_FILE = "full.pt"
+
+
+def file_name(copy_key: str | None) -> str:
+    return FULL_FILE if copy_key is None else f"{copy_key}.pt"
+
+
+def gather_full(state: Any, keep: bool) -> Any:
+    """`state` with every tensor whole and on CPU where `keep`, None elsewhere.
+
+    Gathers one tensor at a time (peak memory: one full tensor). PyTorch's
+    `get_state_dict(full_state_dict=True, cpu_offload=True)` keeps the result on
+    global rank 0 only; with diverged replicas each replica's first rank needs
+    its own replica's copy.
+    """
+    if isinstance(state, dict):
+        return {k: gather_full(v, keep) for k, v in state.items()}
+    if isinstance(state, DTensor):
+        state = state.full_tensor()  # collective: every rank gathers, in the same order
+    if torch.is_tensor(state):
+        return state.detach().cpu() if keep else None
+    return state
+
+
+class FullMode:
+    name = "full"
+
+    def stage(self, model_sd: dict, optim_sd: dict, layout: Layout) -> dict | None:
+        """The whole state on each replica leader that writes a copy (collective)."""
+        keep = layout.replica_leader and (layout.replica == 0 or layout.diverged)
+        payload = gather_full({"model": model_sd, "optim": optim_sd}, keep)
+        return payload if keep else None
+
+    def write(self, payload: dict | None, layout: Layout, partial: Path) -> None:
+        if payload is not None:
+            write_durably(payload, partial / file_name(layout.copy_key))
+
+    def load_copy(
+        self, path: Path, copy_key: str | None, model: torch.nn.Module, optim: torch.optim.Optimizer
+    ) -> float:
+        """Every rank maps the whole file and keeps its own slice: no broadcast, and
+        the pages are shared between local ranks. Returns the set-state seconds."""
+        state = torch.load(path / file_name(copy_key), map_location="cpu", mmap=True, weights_only=True)
+        start = time.perf_counter()
+        full = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(model, state["model"], options=full)
+        set_optimizer_state_dict(model, optim, state["optim"], options=full)
+        return time.perf_counter() - start

@@ -1,0 +1,82 @@
+"""Diverged replicas (post-local SGD past warmup): between averaging steps every
+replica holds its own parameters and optimizer state. DCP deduplicates equal
+keys across ranks and would keep one replica's copy, so each replica saves its
+own copy: replica 0 under `model`/`optim` (full: `full.pt`), replica r under
+`replica_<r>` (full: `replica_<r>.pt`). A run with the same replica count
+restores each replica's own copy (exact resume); any other layout starts every
+replica from the mean of the saved copies, and says so in the log.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.optim import PostLocalSGDOptimizer
+
+from harness.dist import local_view
+from harness.job import Job
+
+
+@dataclass
+class Layout:
+    """Where this rank sits among the replicas, and whether they can or do differ."""
+
+    replicas: int
+    replica: int
+    replica_leader: bool  # shard index 0 of its replica: writes the replica's full-mode file
+    local_sgd: bool  # replicas train on their own between averaging steps
+    diverged: bool  # ... and have done so already (past warmup), so each needs its own copy
+
+    @property
+    def copy_key(self) -> str | None:
+        """Key of this rank's replica copy: None for the copy every run has (replica 0's)."""
+        return copy_key(self.replica) if self.diverged else None
+
+
+def copy_key(replica: int) -> str | None:
+    return f"replica_{replica}" if replica > 0 else None
+
+
+def replica_layout(job: Job) -> Layout:
+    averager = job.cross_replica.averager if job.cross_replica is not None else None
+    return Layout(
+        replicas=job.mesh["replicate"].size(),
+        replica=job.mesh.get_local_rank("replicate"),
+        replica_leader=job.mesh.get_local_rank("shard") == 0,
+        local_sgd=averager is not None,
+        diverged=averager is not None and averager.step > averager.warmup_steps,
+    )
+
+
+def inner_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The local optimizer: PostLocalSGDOptimizer cannot go through the state-dict
+    APIs (a fresh one fails in `step(closure=...)`, and its own `step` is dropped)."""
+    return optimizer.optim if isinstance(optimizer, PostLocalSGDOptimizer) else optimizer
+
+
+def local_tensors(model: torch.nn.Module, optim: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """This rank's parameter shards and floating-point optimizer state, as in-place views."""
+    tensors = [local_view(p.data) for p in model.parameters()]
+    for p in model.parameters():
+        tensors += [
+            local_view(v)
+            for v in optim.state.get(p, {}).values()
+            if torch.is_tensor(v) and v.is_floating_point() and v.dim() > 0
+        ]
+    return tensors
+
+
+def load_mean_of_copies(job: Job, copies: int, load_copy: Callable[[str | None], float]) -> float:
+    """Load each of `copies` replica copies in turn and keep their mean; returns
+    the seconds `load_copy` spent setting state dicts."""
+    optim = inner_optimizer(job.optimizer)
+    total, set_s = None, 0.0
+    for replica in range(copies):
+        set_s += load_copy(copy_key(replica))
+        tensors = local_tensors(job.model, optim)
+        total = [t.clone() for t in tensors] if total is None else [a.add_(b) for a, b in zip(total, tensors)]
+    for t, s in zip(local_tensors(job.model, optim), total):
+        t.copy_(s / copies)
+    return set_s

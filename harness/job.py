@@ -1,0 +1,77 @@
+"""What one rank trains with, assembled from the config: `build_job`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from omegaconf import DictConfig
+from torch.distributed.device_mesh import DeviceMesh
+
+from harness.averaging import CrossReplica, setup_cross_replica
+from harness.data import TokenStream, build_data
+from harness.dist import DistEnv
+from harness.mesh import build_mesh
+from harness.models import build_model
+from harness.optim import build_optimizer
+from harness.sharding import apply_sharding, compile_blocks
+
+
+class Stateful(Protocol):
+    """A named part of a checkpoint (DCP's `Stateful`): its small state goes into
+    meta.json under its name. `load_state_dict` also receives the checkpoint's
+    `step`."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+class _NoState:
+    """The part of a layout that has nothing to keep (one replica: no cross-replica state)."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+@dataclass
+class Job:
+    """Everything one rank trains with."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    data: TokenStream
+    mesh: DeviceMesh
+    cross_replica: CrossReplica | None  # None when there is a single replica
+    flops_per_token: float  # training FLOPs of the model per token, for train/mfu
+
+    def checkpoint_parts(self) -> dict[str, Stateful]:
+        """The stateful parts a checkpoint keeps next to model, optimizer and RNG states."""
+        return {"data": self.data, "cross_replica": self.cross_replica or _NoState()}
+
+
+def build_job(cfg: DictConfig, env: DistEnv) -> Job:
+    mesh = build_mesh(cfg.sharding.strategy, cfg.sharding.replicate, env.world_size, env.device.type)
+    model = build_model(cfg.model, cfg.train.seq_len)
+    flops_per_token = model.flops_per_token(cfg.train.seq_len)
+    if cfg.train.compile:
+        compile_blocks(model)
+    local_sgd = cfg.averager.get("_target_") is not None
+    model = apply_sharding(model, mesh, cfg.sharding, env.device, cfg.train.seed, replicas_train_alone=local_sgd)
+    optimizer = build_optimizer(cfg.optimizer, model, env.device)
+    optimizer, cross_replica = setup_cross_replica(model, optimizer, mesh, cfg.averager)
+    data = build_data(
+        cfg.data,
+        cfg.model.vocab_size,
+        cfg.train.batch_size,
+        cfg.train.seq_len,
+        cfg.train.seed,
+        env.rank,
+        env.world_size,
+        env.device,
+    )
+    return Job(model, optimizer, data, mesh, cross_replica, flops_per_token)
