@@ -5,7 +5,7 @@ import sys
 import hydra
 
 from harness.config import register_configs
-from harness.launch import prepare_torchrun_rank, refuse_unwritable_run_dir, start
+from harness.launch import exit_now, prepare_torchrun_rank, refuse_unwritable_run_dir, start
 
 register_configs()
 
@@ -18,4 +18,8 @@ def main(cfg) -> None:
 if __name__ == "__main__":
     refuse_unwritable_run_dir(sys.argv)
     prepare_torchrun_rank(sys.argv)
-    main()
+    try:
+        main()
+    except SystemExit as e:  # Hydra's and the harness's failures
+        exit_now(e.code)
+    exit_now(0)

@@ -129,6 +129,7 @@ class GPTConf:
     n_head: int = 4
     d_model: int = 128
     vocab_size: int = 256
+    dropout: float = 0.0  # attention and residual dropout (drawn from each rank's seeded torch RNG)
 
 
 @dataclass
@@ -138,6 +139,7 @@ class MLPConf:
     d_model: int = 64
     hidden: int = 256
     vocab_size: int = 256
+    dropout: float = 0.0  # residual dropout (drawn from each rank's seeded torch RNG)
 
 
 # --- data -----------------------------------------------------------------------

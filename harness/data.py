@@ -69,6 +69,8 @@ class TextTokens:
     non-overlapping windows, visited in a seeded random order per epoch."""
 
     def __init__(self, root: str | None, glob: str, max_bytes: int, cache_dir: str, vocab_size: int, seed: int):
+        if max_bytes < 1:
+            raise ValueError(f"data.max_bytes={max_bytes} must be >= 1. Fix: data.max_bytes=67108864 (64 MiB).")
         if vocab_size < 256:
             raise ValueError(
                 f"model.vocab_size={vocab_size} is too small for data=text, which is byte-level "

@@ -20,6 +20,7 @@ from harness.job import Job, build_job
 from harness.mesh import describe_replicas
 from harness.metrics import MetricsSink, memory_metrics, peak_flops
 from harness.optim import clip_grad_norm_
+from harness.rng import seed_rank
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ class TrainState:
 def run_rank(cfg: DictConfig, run_dir: Path) -> None:
     """One rank of the run described by `cfg` (already validated)."""
     env = init_distributed(cfg.train.device, cfg.dist.timeout_s, cfg.dist.threads_per_rank)
+    seed_rank(cfg.train.seed, env.rank)
     sink = None
     try:
         job = build_job(cfg, env)

@@ -27,36 +27,38 @@ from harness.rng import seeded_generator
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, d_model: int, n_head: int):
+    def __init__(self, d_model: int, n_head: int, dropout: float):
         super().__init__()
-        self.n_head = n_head
+        self.n_head, self.dropout = n_head, dropout
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.out_proj = nn.Linear(d_model, d_model)
+        self.residual_dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.n_head, d // self.n_head).transpose(1, 3).unbind(2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out_proj(y.transpose(1, 2).reshape(b, t, d))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        return self.residual_dropout(self.out_proj(y.transpose(1, 2).reshape(b, t, d)))
 
 
 class MLP(nn.Module):
-    def __init__(self, d_model: int, hidden: int):
+    def __init__(self, d_model: int, hidden: int, dropout: float):
         super().__init__()
         self.fc = nn.Linear(d_model, hidden)
         self.out_proj = nn.Linear(hidden, d_model)
+        self.residual_dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out_proj(F.gelu(self.fc(x)))
+        return self.residual_dropout(self.out_proj(F.gelu(self.fc(x))))
 
 
 class GPTBlock(nn.Module):
-    def __init__(self, d_model: int, n_head: int):
+    def __init__(self, d_model: int, n_head: int, dropout: float):
         super().__init__()
         self.ln_attn = nn.LayerNorm(d_model)
-        self.attn = CausalSelfAttention(d_model, n_head)
+        self.attn = CausalSelfAttention(d_model, n_head, dropout)
         self.ln_mlp = nn.LayerNorm(d_model)
-        self.mlp = MLP(d_model, 4 * d_model)
+        self.mlp = MLP(d_model, 4 * d_model, dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_attn(x))
@@ -64,10 +66,10 @@ class GPTBlock(nn.Module):
 
 
 class MLPBlock(nn.Module):
-    def __init__(self, d_model: int, hidden: int):
+    def __init__(self, d_model: int, hidden: int, dropout: float):
         super().__init__()
         self.ln = nn.LayerNorm(d_model)
-        self.mlp = MLP(d_model, hidden)
+        self.mlp = MLP(d_model, hidden, dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.mlp(self.ln(x))
@@ -103,25 +105,31 @@ class TokenLM(nn.Module):
 
 
 class GPT(TokenLM):
-    """Pre-norm GPT decoder: learned positions, causal attention, 4x MLP."""
+    """Pre-norm GPT decoder: learned positions, causal attention, 4x MLP;
+    attention and residual dropout as nanoGPT's."""
 
-    def __init__(self, n_layer: int, n_head: int, d_model: int, vocab_size: int, seq_len: int):
+    def __init__(self, n_layer: int, n_head: int, d_model: int, vocab_size: int, seq_len: int, dropout: float = 0.0):
         require_positive(n_layer=n_layer, n_head=n_head, d_model=d_model, vocab_size=vocab_size)
+        require_probability(dropout)
         if d_model % n_head:
             near = min((d for d in range(1, d_model + 1) if d_model % d == 0), key=lambda d: (abs(d - n_head), -d))
             raise ValueError(
                 f"model.d_model={d_model} is not divisible by model.n_head={n_head}. "
                 f"Fix: pick n_head dividing d_model, e.g. model.n_head={near}."
             )
-        super().__init__(vocab_size, d_model, [GPTBlock(d_model, n_head) for _ in range(n_layer)], seq_len)
+        super().__init__(vocab_size, d_model, [GPTBlock(d_model, n_head, dropout) for _ in range(n_layer)], seq_len)
 
 
 class TokenMLP(TokenLM):
     """Residual MLP blocks over token embeddings (no attention, no positions): the fast test model."""
 
-    def __init__(self, n_layer: int, d_model: int, hidden: int, vocab_size: int, seq_len: int | None = None):
+    def __init__(
+        self, n_layer: int, d_model: int, hidden: int, vocab_size: int, seq_len: int | None = None, dropout: float = 0.0
+    ):
         require_positive(n_layer=n_layer, d_model=d_model, hidden=hidden, vocab_size=vocab_size)
-        super().__init__(vocab_size, d_model, [MLPBlock(d_model, hidden) for _ in range(n_layer)], seq_len=None)
+        require_probability(dropout)
+        blocks = [MLPBlock(d_model, hidden, dropout) for _ in range(n_layer)]
+        super().__init__(vocab_size, d_model, blocks, seq_len=None)
 
 
 def require_positive(**values: int) -> None:
@@ -131,6 +139,11 @@ def require_positive(**values: int) -> None:
             f"{', '.join(bad)} out of range: must be >= 1. "
             f"Fix: set {', '.join(b.split('=')[0] for b in bad)} to a positive integer."
         )
+
+
+def require_probability(dropout: float) -> None:
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"model.dropout={dropout} must be in [0, 1). Fix: model.dropout=0.1, or 0.0 for none.")
 
 
 def build_model(cfg: DictConfig, seq_len: int) -> TokenLM:

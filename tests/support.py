@@ -77,34 +77,53 @@ def steps_saved(run_dir: Path) -> list[str]:
 
 
 def saved_state(step_dir: Path, tmp_path: Path) -> dict:
-    """The checkpoint's contents as one dict, read the way a user would: full.pt
-    with torch.load, a DCP directory through PyTorch's own converter."""
+    """Everything the checkpoint holds as one dict, read the way a user would:
+    full.pt with torch.load, a DCP directory through PyTorch's own converter,
+    and every rank's RNG states (`rng`) from rng.pt."""
     if (step_dir / "full.pt").exists():
-        return torch.load(step_dir / "full.pt", weights_only=True)
-    out = tmp_path / f"{step_dir.parent.parent.name}_{step_dir.name}.pt"
-    subprocess.run(
-        [sys.executable, "-m", "torch.distributed.checkpoint.format_utils", "dcp_to_torch", str(step_dir), str(out)],
-        check=True,
-        capture_output=True,
-    )
-    return torch.load(out, weights_only=False)
+        state = torch.load(step_dir / "full.pt", weights_only=True)
+    else:
+        out = tmp_path / f"{step_dir.parent.parent.name}_{step_dir.name}.pt"
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.checkpoint.format_utils",
+                "dcp_to_torch",
+                str(step_dir),
+                str(out),
+            ],
+            check=True,
+            capture_output=True,
+        )
+        state = torch.load(out, weights_only=False)
+    return {**state, "rng": torch.load(step_dir / "rng.pt", weights_only=True)}
 
 
-def flat(tree: dict, prefix: str = "") -> dict:
+def flat(tree, prefix: str = "") -> dict:
+    """Leaves of nested dicts and lists by their path (`rng.0.torch`)."""
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree)
     out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
+    for key, value in items:
+        if isinstance(value, dict) or (isinstance(value, list) and value and isinstance(value[0], dict)):
             out.update(flat(value, f"{prefix}{key}."))
         else:
             out[f"{prefix}{key}"] = value
     return out
 
 
+def _lists(value):
+    """Tuples as lists (a resumed optimizer's `betas` come back from disk as a list)."""
+    return [_lists(v) for v in value] if isinstance(value, (tuple, list)) else value
+
+
 def assert_bitwise_equal(a: dict, b: dict) -> None:
     fa, fb = flat(a), flat(b)
     assert fa.keys() == fb.keys()
-    differ = [k for k in fa if torch.is_tensor(fa[k]) and not torch.equal(fa[k], fb[k])]
-    assert not differ, f"{len(differ)} tensors differ, e.g. {differ[:3]}"
+    differ = [
+        k for k in fa if not (torch.equal(fa[k], fb[k]) if torch.is_tensor(fa[k]) else _lists(fa[k]) == _lists(fb[k]))
+    ]
+    assert not differ, f"{len(differ)} entries differ, e.g. {differ[:3]}"
 
 
 def loss_by_step(run_dir: Path) -> dict[int, float]:

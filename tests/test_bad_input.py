@@ -144,4 +144,5 @@ def test_disk_full_during_a_save_fails_clearly_and_keeps_the_previous_checkpoint
         and "Fix: if the disk is full, free space" in out
     )
     assert snapshot(run / "checkpoints" / "step_2") == before
+    assert "Traceback" in (run / "train.log").read_text(), "the failed save's traceback is kept in train.log"
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2", "step_4.partial"]

@@ -6,6 +6,7 @@ reach the disk."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import time
 from concurrent.futures import Future
@@ -229,23 +230,51 @@ def _restore_rngs(path: Path, rank: int) -> None:
         )
 
 
+def _root_cause(e: BaseException) -> BaseException:
+    """The first rank's error inside DCP's CheckpointException, else `e`."""
+    return next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) and e.failures else e
+
+
 def _describe(e: BaseException) -> str:
-    """`Type: first line` of the error, or of the first rank's error inside DCP's CheckpointException."""
-    cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) and e.failures else e
+    """`Type: first line` of the error (the first rank's, inside DCP's CheckpointException)."""
+    cause = _root_cause(e)
     return ": ".join([type(cause).__name__, *str(cause).splitlines()[:1]])[:300]
+
+
+# torch's zip writer reports a short write (a full disk, a file size limit) in its own words
+SHORT_WRITE = ("unexpected pos", "file write failed")
+PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out")
+
+
+def _likely_cause(e: BaseException) -> str:
+    """What to do about a failed save, naming a cause only where the error itself points at one."""
+    cause = _root_cause(e)
+    text = str(cause).lower()
+    if (isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)) or any(
+        s in text for s in SHORT_WRITE
+    ):
+        return (
+            "Fix: if the disk is full, free space or point checkpoint.dir at a disk with room "
+            "(checkpoint/bytes in metrics.jsonl says how much one takes)."
+        )
+    if isinstance(cause, dist.DistError) or any(s in text for s in PEER_GONE):
+        return "Another rank stopped during the save; its log (logs/rank<N>.log) says why. Fix: that rank's error."
+    return (
+        "The error points at neither a full disk nor a lost rank: its traceback is in train.log "
+        "(logs/rank<N>.log for other ranks). Fix: resume from the last checkpoint; if it fails again, report it "
+        "with that traceback."
+    )
 
 
 @contextmanager
 def _writing(step: int, partial: Path):
-    """A failed write (disk full, permissions) as one message; the save stays uncommitted."""
+    """A failed write as one message with what is known of its cause; the save stays uncommitted."""
     try:
         yield
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         raise CheckpointError(
             f"saving checkpoint step {step} to {str(partial)!r} failed ({_describe(e)}); it was not committed and "
-            "earlier checkpoints are untouched. Fix: if the disk is full, free space or point checkpoint.dir at a "
-            "disk with room (checkpoint/bytes in metrics.jsonl says how much one takes); if another rank died, "
-            "its log says why."
+            f"earlier checkpoints are untouched. {_likely_cause(e)}"
         ) from e
 
 

@@ -37,6 +37,8 @@ STEP_DIR = re.compile(r"^step_(\d+)$")
 META = "meta.json"
 RNG_FILE = "rng.pt"
 # model configs in meta.json before components were chosen by `_target_`
+# model keys that change no parameter: a run may resume with another value
+SHAPE_FREE_MODEL_KEYS = {"dropout"}
 LEGACY_MODEL_NAMES = {"gpt": "harness.models.GPT", "mlp": "harness.models.TokenMLP"}
 
 
@@ -98,7 +100,7 @@ def check_compatible(meta: dict, cfg: DictConfig, path: Path) -> list[str]:
     model = OmegaConf.to_container(cfg.model, resolve=True)
     diffs = [
         f"model.{k}: saved {saved_model.get(k)!r}, configured {model.get(k)!r}"
-        for k in sorted(set(saved_model) | set(model))
+        for k in sorted((set(saved_model) | set(model)) - SHAPE_FREE_MODEL_KEYS)
         if saved_model.get(k) != model.get(k)
     ]
     if diffs:
