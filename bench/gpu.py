@@ -54,9 +54,8 @@ sys.path.insert(0, str(REPO))
 
 from harness.checkpoint import Checkpointer, checkpoint_dir  # noqa: E402
 from harness.config import ConfigError, plain, register_configs  # noqa: E402
-from harness.data import build_data  # noqa: E402
 from harness.dist import init_distributed, resolve_device, synchronize, teardown, visible_gpus  # noqa: E402
-from harness.job import build_job  # noqa: E402
+from harness.job import build_job, rank_data  # noqa: E402
 from harness.launch import setup_logging, start_method  # noqa: E402
 from harness.loop import TrainState, train  # noqa: E402
 from harness.metrics import MetricsSink, peak_flops  # noqa: E402
@@ -146,16 +145,7 @@ def build_minimal(cfg, mesh, env, compiled: bool):
     fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=reshard, mp_policy=policy)
     materialize(model, device, cfg.train.seed)
     optimizer = build_optimizer(cfg.optimizer, model, device)  # same class, hyperparameters and fused choice
-    data = build_data(
-        cfg.data,
-        cfg.model.vocab_size,
-        cfg.train.batch_size,
-        cfg.train.seq_len,
-        cfg.train.seed,
-        env.rank,
-        env.world_size,
-        device,
-    )
+    data = rank_data(cfg, env)
     max_norm = cfg.train.grad_clip
 
     def steps(n: int) -> None:
@@ -179,16 +169,7 @@ def build_plain(cfg, env, compiled: bool):
     optimizer = build_optimizer(cfg.optimizer, model, device)  # fused on CUDA (optimizer.fused=null)
     forward = torch.compile(model) if compiled else model  # the whole model: no FSDP hooks to keep outside
     # its own rank's batches, the same as the sharded paths see, without any gradient exchange
-    data = build_data(
-        cfg.data,
-        cfg.model.vocab_size,
-        cfg.train.batch_size,
-        cfg.train.seq_len,
-        cfg.train.seed,
-        env.rank,
-        env.world_size,
-        device,
-    )
+    data = rank_data(cfg, env)
     max_norm = cfg.train.grad_clip
 
     def steps(n: int) -> None:

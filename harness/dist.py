@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -36,27 +37,48 @@ def under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"))
 
 
+def join_rendezvous() -> None:
+    """A torchrun rank connects to the rendezvous store once, before Hydra
+    composes; `init_distributed` reuses it, so there is one rendezvous, and no
+    process group exists before the config is validated."""
+    global _store
+    store, _, _ = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=600)))
+    # That store outlives a restart, and so would the previous attempt's
+    # process-group keys (gloo would dial dead ranks' addresses): one namespace per attempt.
+    _store = dist.PrefixStore(f"harness/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
 def agree_on_run_stamp() -> None:
     """Make every torchrun rank compose the same Hydra run dir.
 
     Ranks start seconds apart, so `${now:...}` differs between them. Before
-    Hydra composes, rank 0 publishes its timestamp in the rendezvous store and
-    all ranks export it as HARNESS_RUN_STAMP. The store is kept for
-    `init_distributed`, so there is one rendezvous, and no process group
-    exists before the config is validated.
+    Hydra composes, rank 0 publishes its timestamp and all ranks export it as
+    HARNESS_RUN_STAMP. It is set once, outside the attempt's namespace: workers
+    restarted by torchrun (--max-restarts) share the agent's store, so they find
+    the first attempt's stamp, land in the same run dir and resume from its
+    checkpoints.
     """
-    global _store
-    store, _, _ = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=600)))
+    store = _store.underlying_store
     key = "harness/run_stamp"
     if int(os.environ["RANK"]) == 0:
-        # set once: workers restarted by torchrun (--max-restarts) share the
-        # agent's store, so they find the first attempt's stamp, land in the
-        # same run dir and resume from its checkpoints
         store.compare_set(key, "", time.strftime("%Y-%m-%d/%H-%M-%S"))
     os.environ[RUN_STAMP_ENV] = store.get(key).decode()
-    # That store outlives a restart, and so would the previous attempt's
-    # process-group keys (gloo would dial dead ranks' addresses): one namespace per attempt.
-    _store = dist.PrefixStore(f"harness/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
+def print_once(message: str, rank: int) -> None:
+    """Rank 0 prints `message` (to stderr); under torchrun the other ranks wait
+    until it has, before they go on to exit: a rank that exits first makes
+    torchrun stop rank 0, possibly before it printed."""
+    key = "harness/printed"
+    if rank == 0:
+        print(message, file=sys.stderr, flush=True)
+        if _store is not None:
+            _store.set(key, "1")
+    elif _store is not None:
+        try:
+            _store.wait([key], datetime.timedelta(seconds=60))
+        except dist.DistError:  # rank 0 is gone without printing: nothing to wait for
+            pass
 
 
 def visible_gpus() -> int:

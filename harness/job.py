@@ -64,7 +64,12 @@ def build_job(cfg: DictConfig, env: DistEnv) -> Job:
     model = apply_sharding(model, mesh, cfg.sharding, env.device, cfg.train.seed, replicas_train_alone=local_sgd)
     optimizer = build_optimizer(cfg.optimizer, model, env.device)
     optimizer, cross_replica = setup_cross_replica(model, optimizer, mesh, cfg.averager)
-    data = build_data(
+    return Job(model, optimizer, rank_data(cfg, env), mesh, cross_replica, flops_per_token)
+
+
+def rank_data(cfg: DictConfig, env: DistEnv) -> TokenStream:
+    """This rank's slice of the data stream `cfg.data` describes."""
+    return build_data(
         cfg.data,
         cfg.model.vocab_size,
         cfg.train.batch_size,
@@ -74,4 +79,3 @@ def build_job(cfg: DictConfig, env: DistEnv) -> Job:
         env.world_size,
         env.device,
     )
-    return Job(model, optimizer, data, mesh, cross_replica, flops_per_token)

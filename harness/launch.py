@@ -22,7 +22,14 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from harness.checkpoint import CheckpointError
 from harness.config import ConfigError, plain
-from harness.dist import agree_on_run_stamp, resolve_device, under_torchrun, visible_gpus
+from harness.dist import (
+    agree_on_run_stamp,
+    join_rendezvous,
+    print_once,
+    resolve_device,
+    under_torchrun,
+    visible_gpus,
+)
 from harness.loop import NonFiniteLossError, run_rank
 from harness.mesh import HYBRID, mesh_shape
 from harness.preflight import preflight
@@ -42,16 +49,16 @@ def prepare_torchrun_rank(argv: list[str]) -> None:
     group of ranks per job instead.
     """
     if under_torchrun():
+        join_rendezvous()
         if is_multirun(argv):
-            if os.environ["RANK"] == "0":
-                print(
-                    "harness: `torchrun ... train.py -m` would run the whole sweep on every rank, and one failed "
-                    "job would silently pair later collectives with the wrong job. Fix: run sweeps without "
-                    f"torchrun, e.g. `python train.py -m ... launcher.nproc={os.environ['WORLD_SIZE']}`: each job "
-                    "then starts its own ranks.",
-                    file=sys.stderr,
-                )
-            sys.exit(2)
+            print_once(
+                "harness: `torchrun ... train.py -m` would run the whole sweep on every rank, and one failed "
+                "job would silently pair later collectives with the wrong job. Fix: run sweeps without "
+                f"torchrun, e.g. `python train.py -m ... launcher.nproc={os.environ['WORLD_SIZE']}`: each job "
+                "then starts its own ranks.",
+                int(os.environ["RANK"]),
+            )
+            exit_now(2)
         agree_on_run_stamp()
 
 
@@ -157,8 +164,7 @@ def check_config(cfg: DictConfig, world_size: int, local_world_size: int, run_di
         if errors := preflight(cfg, run_dir):
             raise ConfigError("\n\n".join(errors))
     except ConfigError as e:
-        if rank == 0:
-            print(f"harness: the config cannot run (world size {world_size}):\n\n{e}", file=sys.stderr)
+        print_once(f"harness: the config cannot run (world size {world_size}):\n\n{e}", rank)
         return str(e)
     if cfg.sharding.strategy in HYBRID and cfg.sharding.replicate is None:
         # the config records the replica count it ran with (one replica per node)
