@@ -184,15 +184,14 @@ def test_compiled_blocks_with_fused_adamw_averaging_and_three_async_saves(tmp_pa
 @pytest.mark.slow
 def test_ddp_computes_in_the_configured_dtype_under_autocast(tmp_path, cli_env):
     """sharding.param_dtype is ddp's autocast dtype (auto = bf16 on CUDA, fp32 on
-    CPU): bf16 compute changes the losses a little, fp32 gives the default run's."""
+    CPU): bf16 compute changes the losses a little."""
     runs = {}
-    for dtype in ("auto", "float32", "bfloat16"):
+    for dtype in ("float32", "bfloat16"):  # auto is float32 on CPU: what every other CPU test runs
         check_ok(
             run_cli(
                 [*FAST, "sharding=ddp", f"sharding.param_dtype={dtype}", f"hydra.run.dir={dtype}"], cli_env, tmp_path
             )
         )
         runs[dtype] = losses(tmp_path / dtype)
-    assert runs["auto"] == runs["float32"]
     assert runs["bfloat16"] != runs["float32"]
     assert runs["bfloat16"] == pytest.approx(runs["float32"], rel=2e-2)
