@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "hybrid_shard_zero2", "no_shard", "ddp")
 HYBRID = ("hybrid_shard", "hybrid_shard_zero2")
 # What each strategy implies for `sharding.replicate` when it is not hybrid.
 _FIXED_REPLICATE = {"full_shard": "one", "shard_grad_op": "one", "no_shard": "world", "ddp": "world"}
