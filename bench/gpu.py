@@ -144,7 +144,8 @@ def build_minimal(cfg, mesh, env, compiled: bool):
         fully_shard(block, mesh=fsdp_mesh, reshard_after_forward=reshard, mp_policy=policy)
     fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=reshard, mp_policy=policy)
     materialize(model, device, cfg.train.seed)
-    optimizer = build_optimizer(cfg.optimizer, model, device)  # same class, hyperparameters and fused choice
+    # same class, hyperparameters and fused choice
+    optimizer = build_optimizer(cfg.optimizer, model.parameters(), device)
     data = rank_data(cfg, env)
     max_norm = cfg.train.grad_clip
 
@@ -166,7 +167,7 @@ def build_plain(cfg, env, compiled: bool):
     model = build_model(cfg.model, cfg.train.seq_len)
     materialize(model, device, cfg.train.seed)  # fp32 parameters, the same initial values
     dtype = resolve_dtype(cfg.sharding.param_dtype, device, low_precision_on_cuda=True)
-    optimizer = build_optimizer(cfg.optimizer, model, device)  # fused on CUDA (optimizer.fused=null)
+    optimizer = build_optimizer(cfg.optimizer, model.parameters(), device)  # fused on CUDA (optimizer.fused=null)
     forward = torch.compile(model) if compiled else model  # the whole model: no FSDP hooks to keep outside
     # its own rank's batches, the same as the sharded paths see, without any gradient exchange
     data = rank_data(cfg, env)

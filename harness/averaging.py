@@ -23,6 +23,7 @@ hook and the averaging schedule read.
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass
 
@@ -46,14 +47,13 @@ BUCKET_BYTES = 64 * 2**20  # cap on one flat all-reduce buffer
 @dataclass
 class CrossReplicaTraffic:
     """Bytes this rank put into cross-replica collectives (the reduced buffers'
-    sizes; a ring all-reduce sends about 2(R-1)/R times that on the wire)."""
+    sizes in the dtype they were sent in; a ring all-reduce sends about
+    2(R-1)/R times that on the wire), and the figures of this step's averaging."""
 
     grad_sync_bytes: int = 0
     averaging_bytes: int = 0
     total_bytes: int = 0
-    averaged: bool = False
-    drift: float | None = None
-    time_s: float | None = None
+    averaged: dict | None = None  # this step's averaging metrics (averager/drift, averager/time_s, ...)
 
     def add_grad(self, tensor: torch.Tensor) -> None:
         self.grad_sync_bytes += tensor.numel() * tensor.element_size()
@@ -67,11 +67,10 @@ class CrossReplicaTraffic:
             "comm/cross_replica_bytes_total": self.total_bytes,
         }
         if averager_step is not None:
-            row.update({"averager/averaged": int(self.averaged), "averager/step": averager_step})
-            if self.averaged:
-                row.update({"averager/drift": self.drift, "averager/time_s": self.time_s})
+            row.update({"averager/averaged": int(self.averaged is not None), "averager/step": averager_step})
+            row.update(self.averaged or {})
         self.grad_sync_bytes = self.averaging_bytes = 0
-        self.averaged, self.drift, self.time_s = False, None, None
+        self.averaged = None
         return row
 
 
@@ -88,22 +87,22 @@ class ReplicaAverager(ModelAverager):
     tensors (DDP) too, so both paths report the same drift and bytes.
     """
 
-    def __init__(self, period: int, warmup_steps: int, mesh: DeviceMesh, traffic: CrossReplicaTraffic):
+    def __init__(
+        self,
+        period: int,
+        warmup_steps: int,
+        mesh: DeviceMesh,
+        traffic: CrossReplicaTraffic,
+        comm_dtype: str = "float32",
+    ):
         super().__init__(mesh.get_group("replicate"))
         self.period, self.warmup_steps, self.traffic = period, warmup_steps, traffic
+        self.comm_dtype = getattr(torch, str(comm_dtype))
 
     @staticmethod
     def config_errors(cfg: DictConfig, replicas: int) -> list[str]:
-        """Why `cfg` (= cfg.averager) cannot run on `replicas` replicas; checked by `validate`."""
-        errors = (
-            []
-            if cfg.period >= 1
-            else [
-                f"averager.period={cfg.period} is out of range: it must be >= 1. Fix: averager.period=4 averages "
-                "every 4 steps."
-            ]
-        )
-        return errors + _warmup_errors(cfg)
+        """Why `cfg` (the whole config) cannot average over `replicas` replicas; checked by `validate`."""
+        return _period_errors(cfg.averager) + _warmup_errors(cfg.averager)
 
     def group_to_average(self) -> dist.ProcessGroup | None:
         due = self.step >= self.warmup_steps and (self.step - self.warmup_steps) % self.period == 0
@@ -112,8 +111,8 @@ class ReplicaAverager(ModelAverager):
     def average_parameters(self, params) -> None:
         group = self.group_to_average()
         if group is not None:
-            self.traffic.averaged = True
-            self.traffic.time_s, self.traffic.averaging_bytes, self.traffic.drift = average_local_shards(params, group)
+            time_s, self.traffic.averaging_bytes, drift = average_local_shards(params, group, self.comm_dtype)
+            self.traffic.averaged = {"averager/drift": drift, "averager/time_s": time_s}
         self.step += 1
 
 
@@ -122,13 +121,19 @@ class HierarchicalReplicaAverager(ReplicaAverager):
     period dividing the step picks the group size to average within."""
 
     def __init__(
-        self, period_group_size: list[list[int]], warmup_steps: int, mesh: DeviceMesh, traffic: CrossReplicaTraffic
+        self,
+        period_group_size: list[list[int]],
+        warmup_steps: int,
+        mesh: DeviceMesh,
+        traffic: CrossReplicaTraffic,
+        comm_dtype: str = "float32",
     ):
-        super().__init__(max(p for p, _ in period_group_size), warmup_steps, mesh, traffic)
+        super().__init__(max(p for p, _ in period_group_size), warmup_steps, mesh, traffic, comm_dtype)
         self.period_groups = {int(p): replica_subgroups(mesh, int(g)) for p, g in period_group_size}
 
     @staticmethod
     def config_errors(cfg: DictConfig, replicas: int) -> list[str]:
+        cfg = cfg.averager
         pairs = [list(pair) for pair in cfg.period_group_size]
         key = f"averager.period_group_size={pairs}".replace(" ", "")
         example = (
@@ -159,6 +164,14 @@ class HierarchicalReplicaAverager(ReplicaAverager):
         )
 
 
+def _period_errors(cfg: DictConfig) -> list[str]:
+    if cfg.period >= 1:
+        return []
+    return [
+        f"averager.period={cfg.period} is out of range: it must be >= 1. Fix: averager.period=4 averages every 4 steps."
+    ]
+
+
 def _warmup_errors(cfg: DictConfig) -> list[str]:
     if cfg.warmup_steps >= 0:
         return []
@@ -169,24 +182,23 @@ def _warmup_errors(cfg: DictConfig) -> list[str]:
 
 
 @torch.no_grad()
-def average_local_shards(params, group: dist.ProcessGroup) -> tuple[float, int, float]:
+def average_local_shards(params, group: dist.ProcessGroup, comm_dtype: torch.dtype) -> tuple[float, int, float]:
     """Average the local shards of `params` (tensors or param groups) over `group`, in place.
 
-    Returns (seconds, bytes reduced, drift), where drift is how far the members
+    Returns (seconds, bytes sent, drift), where drift is how far the members
     had drifted apart just before: sqrt(sum ||x_r - mean||^2 / sum ||mean||^2)
     over every rank's shards, from the same buffers (one 2-float all-reduce).
     """
     tensors = [local_view(p) for p in _flatten(params)]
     device = tensors[0].device
     synchronize(device)  # the clock measures the averaging alone, finished
-    start, size, nbytes = time.perf_counter(), group.size(), 0
+    start, nbytes = time.perf_counter(), 0
     deviation = torch.zeros(2, dtype=torch.float64, device=device)  # [sum dev^2, sum mean^2]
-    for bucket in _buckets(tensors):
+    for indices in buckets(tensors):
+        bucket = [tensors[i] for i in indices]
         local = torch.cat([t.reshape(-1) for t in bucket])
         mean = local.clone()
-        dist.all_reduce(mean, group=group)
-        mean.div_(size)
-        nbytes += mean.numel() * mean.element_size()
+        nbytes += mean_over_group(mean, group, comm_dtype)
         deviation[0] += local.sub_(mean).pow_(2).sum()
         deviation[1] += mean.square().sum()
         torch._foreach_copy_(bucket, [m.view_as(t) for m, t in zip(mean.split([t.numel() for t in bucket]), bucket)])
@@ -196,6 +208,31 @@ def average_local_shards(params, group: dist.ProcessGroup) -> tuple[float, int, 
     return elapsed, nbytes, (deviation[0] / deviation[1].clamp_min(1e-30)).sqrt().item()
 
 
+def mean_over_group(flat: torch.Tensor, group: dist.ProcessGroup, comm_dtype: torch.dtype) -> int:
+    """Replace the 1-D `flat` by its mean over `group`; returns the bytes sent.
+
+    In its own dtype: one all-reduce. In a narrower `comm_dtype` (bf16): an
+    all-reduce in that dtype would also *sum* in it, so instead each rank gets
+    its 1/n chunk of every member's copy (all-to-all), sums those in fp32 and
+    all-gathers the means - the reduce-scatter + all-gather of a ring
+    all-reduce, with every byte on the wire in `comm_dtype`.
+    """
+    n = group.size()
+    if comm_dtype == flat.dtype:
+        dist.all_reduce(flat, group=group)
+        flat.div_(n)
+        return flat.numel() * flat.element_size()
+    chunk = -(-flat.numel() // n)
+    sent = torch.zeros(chunk * n, dtype=comm_dtype, device=flat.device)
+    sent[: flat.numel()].copy_(flat)
+    received = torch.empty_like(sent)
+    dist.all_to_all_single(received, sent, group=group)
+    mine = received.view(n, chunk).float().sum(0).div_(n).to(comm_dtype)
+    dist.all_gather_into_tensor(sent, mine, group=group)
+    flat.copy_(sent[: flat.numel()])
+    return flat.numel() * sent.element_size()
+
+
 def _flatten(params) -> list[torch.Tensor]:
     out = []
     for p in params:
@@ -203,13 +240,14 @@ def _flatten(params) -> list[torch.Tensor]:
     return out
 
 
-def _buckets(tensors: list[torch.Tensor]):
+def buckets(tensors: list[torch.Tensor]):
+    """Indices into `tensors`, in runs of one dtype and at most BUCKET_BYTES (or one tensor)."""
     bucket, nbytes = [], 0
-    for t in tensors:
-        if bucket and (nbytes + t.numel() * t.element_size() > BUCKET_BYTES or t.dtype != bucket[0].dtype):
+    for i, t in enumerate(tensors):
+        if bucket and (nbytes + t.numel() * t.element_size() > BUCKET_BYTES or t.dtype != tensors[bucket[0]].dtype):
             yield bucket
             bucket, nbytes = [], 0
-        bucket.append(t)
+        bucket.append(i)
         nbytes += t.numel() * t.element_size()
     if bucket:
         yield bucket
@@ -245,8 +283,11 @@ def setup_cross_replica(
     if cfg.get("_target_") is None:  # averager=none: synchronous
         _count_synchronous_gradients(model, traffic)
         return optimizer, CrossReplica(traffic, None)
-    # partial first: instantiate would merge (and copy) keyword objects into the config
-    averager = instantiate(cfg, _partial_=True)(mesh=mesh, traffic=traffic)
+    # partial first: instantiate would merge (and copy) keyword objects into the config;
+    # not recursive: nested configs (DiLoCo's outer optimizer) are the averager's to build
+    build = instantiate(cfg, _partial_=True, _recursive_=False)
+    wants_model = "model" in inspect.signature(build.func).parameters  # DiLoCo: its own copy of the parameters
+    averager = build(mesh=mesh, traffic=traffic, **({"model": model} if wants_model else {}))
     ddp_state = _sync_gradients_during_warmup(model, mesh, averager, traffic)
     return PostLocalSGDOptimizer(optim=optimizer, averager=averager), CrossReplica(traffic, averager, ddp_state)
 
@@ -264,7 +305,16 @@ class CrossReplica:
         return {
             "averager_step": self.averager.step if self.averager is not None else None,
             "cross_replica_bytes_total": self.traffic.total_bytes,
+            **({"averager": self.averager.state_dict()} if hasattr(self.averager, "state_dict") else {}),
         }
+
+    def tensor_state_dict(self) -> dict:
+        """The averager's own tensors (DiLoCo's outer parameters and state), if any."""
+        return self.averager.tensor_state_dict() if hasattr(self.averager, "tensor_state_dict") else {}
+
+    def load_tensor_state_dict(self, state: dict | None) -> None:
+        if hasattr(self.averager, "load_tensor_state_dict"):
+            self.averager.load_tensor_state_dict(state)
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the counters; the checkpoint's global `step` stands in for an
@@ -274,6 +324,8 @@ class CrossReplica:
             self.averager.step = state.get("averager_step") or state["step"]
             if self.ddp_state is not None:
                 self.ddp_state.iter = self.averager.step
+            if hasattr(self.averager, "load_state_dict"):
+                self.averager.load_state_dict(state.get("averager", {}))
 
 
 def _sync_gradients_during_warmup(

@@ -74,6 +74,16 @@ class DType(Choice):
     float16 = "float16"
 
 
+class CommDType(Choice):
+    float32 = "float32"
+    bfloat16 = "bfloat16"  # sent in bf16, summed in fp32: half the bytes
+
+
+class OuterDevice(Choice):
+    device = "device"  # the rank's own device (the GPU on CUDA)
+    cpu = "cpu"  # host memory: frees the device of the outer copy and state, costs a copy per sync
+
+
 class CheckpointMode(Choice):
     none = "none"
     full = "full"
@@ -117,6 +127,8 @@ class TrainConf:
     # peak dense bf16 TFLOP/s of one device, for train/mfu; null = looked up
     # from the GPU's name (harness.metrics.PEAK_TFLOPS), none on CPU
     peak_tflops: Optional[float] = None
+    eval_every: int = 0  # steps between eval/loss passes on the held-out data (and one at the end); 0 = none
+    eval_batches: int = 4  # batches of train.batch_size sequences per eval pass, the same ones every time
 
 
 # --- model ----------------------------------------------------------------------
@@ -157,6 +169,7 @@ class TextDataConf:
     root: Optional[str] = None  # null = the Python standard library's own sources (no download)
     glob: str = "**/*.py"
     max_bytes: int = 64 * 2**20  # stop reading files past this many bytes
+    eval_fraction: float = 0.01  # the corpus's last bytes held out for eval/loss, never trained on
     cache_dir: str = "~/.cache/harness"
 
 
@@ -204,6 +217,7 @@ class PeriodicAveragerConf:
     _target_: str = "harness.averaging.ReplicaAverager"
     period: int = 4  # average parameters across replicas every `period` steps ...
     warmup_steps: int = 10  # ... after this many fully synchronous steps
+    comm_dtype: CommDType = CommDType.float32  # dtype the averaged tensors cross replicas in
 
 
 @dataclass
@@ -216,6 +230,22 @@ class HierarchicalAveragerConf:
     # replicas every 2 steps and all 4 replicas every 8.
     period_group_size: List[List[int]] = field(default_factory=lambda: [[2, 2], [8, 4]])
     warmup_steps: int = 10
+    comm_dtype: CommDType = CommDType.float32
+
+
+@dataclass
+class DiLoCoAveragerConf:
+    """DiLoCo (arXiv 2311.08105): every `period` steps the replicas' mean change
+    is the gradient of one outer-optimizer step; Streaming DiLoCo's fragments
+    (arXiv 2501.18512) spread that sync over the period."""
+
+    _target_: str = "harness.diloco.DiLoCoAverager"
+    period: int = 16
+    warmup_steps: int = 10
+    comm_dtype: CommDType = CommDType.float32  # dtype the pseudo-gradients cross replicas in
+    fragments: int = 1  # parts of the model synced at their own offsets inside the period
+    outer_device: OuterDevice = OuterDevice.device  # where the outer parameters and their optimizer state live
+    outer_optimizer: Any = None  # a torch.optim class: the averager/outer_optimizer group
 
 
 # --- sharding -------------------------------------------------------------------
@@ -291,7 +321,12 @@ SCHEMAS = {
     "model": {"gpt": GPTConf, "mlp": MLPConf},
     "data": {"synthetic": SyntheticDataConf, "text": TextDataConf},
     "optimizer": {"sgd": SGDConf, "adam": AdamConf, "adamw": AdamWConf},
-    "averager": {"none": NoAveragerConf, "periodic": PeriodicAveragerConf, "hierarchical": HierarchicalAveragerConf},
+    "averager": {
+        "none": NoAveragerConf,
+        "periodic": PeriodicAveragerConf,
+        "hierarchical": HierarchicalAveragerConf,
+        "diloco": DiLoCoAveragerConf,
+    },
     "sharding": {"sharding": ShardingConf},
     "checkpoint": {"checkpoint": CheckpointConf},
     "wandb": {"wandb": WandbConf},

@@ -10,7 +10,9 @@ world size, a run resumed on another layout continues with the next unread
 sample - none skipped, none read twice.
 
 A data source is a class named by `data._target_`, built from its config keys
-plus `vocab_size` and `seed`, with `samples(first, count, length)`. Its
+plus `vocab_size` and `seed`, with `samples(first, count, length)` and, for
+`train.eval_every`, `eval_samples(first, count, length)` from data it never
+trains on (text: the corpus's last `data.eval_fraction` of bytes). Its
 constructor refuses bad arguments with a ValueError naming the key and the fix
 (`validate` builds it to ask, so it must be cheap); a source that reads files
 checks them in `preflight_errors()` and loads them in `open()`, which every
@@ -37,6 +39,7 @@ from harness.rng import seeded_generator
 log = logging.getLogger(__name__)
 
 _LANGUAGE_SEED = 1234  # fixes the synthetic "grammar", so runs with other seeds learn the same task
+_EVAL_STREAM = 2**40  # synthetic eval samples are numbered from here: never drawn in training
 
 
 class SyntheticTokens:
@@ -48,6 +51,9 @@ class SyntheticTokens:
             raise ValueError(f"data.noise={noise} must be in [0, 1). Fix: data.noise=0.1.")
         self.vocab_size, self.noise, self.seed = vocab_size, noise, seed
         self.next_token = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(_LANGUAGE_SEED))
+
+    def eval_samples(self, first: int, count: int, length: int) -> torch.Tensor:
+        return self.samples(_EVAL_STREAM + first, count, length)
 
     def samples(self, first: int, count: int, length: int) -> torch.Tensor:
         starts, breaks, random_tokens = [], [], []
@@ -68,7 +74,21 @@ class TextTokens:
     """Byte-level text from local files (the standard library's sources by default):
     non-overlapping windows, visited in a seeded random order per epoch."""
 
-    def __init__(self, root: str | None, glob: str, max_bytes: int, cache_dir: str, vocab_size: int, seed: int):
+    def __init__(
+        self,
+        root: str | None,
+        glob: str,
+        max_bytes: int,
+        cache_dir: str,
+        vocab_size: int,
+        seed: int,
+        eval_fraction: float = 0.01,
+    ):
+        if not 0.0 <= eval_fraction < 1.0:
+            raise ValueError(
+                f"data.eval_fraction={eval_fraction} must be in [0, 1): the share of the corpus held out for "
+                "eval/loss. Fix: data.eval_fraction=0.01."
+            )
         if max_bytes < 1:
             raise ValueError(f"data.max_bytes={max_bytes} must be >= 1. Fix: data.max_bytes=67108864 (64 MiB).")
         if vocab_size < 256:
@@ -77,7 +97,9 @@ class TextTokens:
                 "(256 symbols). Fix: model.vocab_size=256."
             )
         self.root, self.glob, self.max_bytes, self.cache_dir, self.seed = root, glob, max_bytes, cache_dir, seed
-        self.tokens: np.ndarray | None = None
+        self.eval_fraction = eval_fraction
+        self.tokens: np.ndarray | None = None  # the training part of the corpus
+        self.held_out: np.ndarray | None = None  # its last eval_fraction, for eval_samples
         self._epoch, self._order = -1, None
 
     def preflight_errors(self) -> list[str]:
@@ -127,15 +149,18 @@ class TextTokens:
             log.info("cached %d bytes from %d files under %s at %s", written, len(files), text_root(self.root), path)
         if dist.is_initialized():
             dist.barrier()
-        self.tokens = np.memmap(path, dtype=np.uint8, mode="r")
+        corpus = np.memmap(path, dtype=np.uint8, mode="r")
+        split = len(corpus) - int(len(corpus) * self.eval_fraction)
+        self.tokens, self.held_out = corpus[:split], corpus[split:]
+
+    def eval_samples(self, first: int, count: int, length: int) -> torch.Tensor:
+        """Consecutive windows of the held-out bytes (wrapping around)."""
+        windows = _windows(self.held_out, length, "held-out part (data.eval_fraction) of the")
+        starts = [(index % windows) * length for index in range(first, first + count)]
+        return torch.stack([torch.from_numpy(self.held_out[s : s + length].astype(np.int64)) for s in starts])
 
     def samples(self, first: int, count: int, length: int) -> torch.Tensor:
-        windows = (len(self.tokens) - 1) // length
-        if windows < 1:
-            raise ValueError(
-                f"the text corpus holds {len(self.tokens)} bytes, fewer than one window of "
-                f"train.seq_len+1={length} bytes; lower train.seq_len or add files"
-            )
+        windows = _windows(self.tokens, length, "")
         rows = []
         for index in range(first, first + count):
             epoch, i = divmod(index, windows)
@@ -144,6 +169,16 @@ class TextTokens:
             start = int(self._order[i]) * length
             rows.append(torch.from_numpy(self.tokens[start : start + length].astype(np.int64)))
         return torch.stack(rows)
+
+
+def _windows(tokens: np.ndarray, length: int, part: str) -> int:
+    windows = (len(tokens) - 1) // length
+    if windows < 1:
+        raise ValueError(
+            f"the {part}text corpus holds {len(tokens)} bytes, fewer than one window of "
+            f"train.seq_len+1={length} bytes; lower train.seq_len or add files"
+        )
+    return windows
 
 
 class TokenStream:
@@ -158,6 +193,12 @@ class TokenStream:
         first = self.samples + self.rank * self.batch_size
         seqs = self.source.samples(first, self.batch_size, self.seq_len + 1).to(self.device, non_blocking=True)
         self.samples += self.world_size * self.batch_size
+        return seqs[:, :-1], seqs[:, 1:]
+
+    def eval_batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Held-out batch `index`: the same on every rank, so every replica is scored on the same data."""
+        first = index * self.batch_size
+        seqs = self.source.eval_samples(first, self.batch_size, self.seq_len + 1).to(self.device, non_blocking=True)
         return seqs[:, :-1], seqs[:, 1:]
 
     def state_dict(self) -> dict:

@@ -21,7 +21,14 @@ from harness.sharding import apply_sharding, compile_blocks
 class Stateful(Protocol):
     """A named part of a checkpoint (DCP's `Stateful`): its small state goes into
     meta.json under its name. `load_state_dict` also receives the checkpoint's
-    `step`."""
+    `step`.
+
+    A part with tensors also has `tensor_state_dict()`: its tensors in the
+    parameters' layout (DTensors under FSDP2, so they reshard with the model),
+    sharing storage with the part, written by the checkpoint mode; a load
+    fills them in place, after `load_state_dict`, then calls
+    `load_tensor_state_dict(those tensors)`, or `(None)` when the checkpoint
+    has none (saved by another config)."""
 
     def state_dict(self) -> dict: ...
 
@@ -62,7 +69,7 @@ def build_job(cfg: DictConfig, env: DistEnv) -> Job:
         compile_blocks(model)
     local_sgd = cfg.averager.get("_target_") is not None
     model = apply_sharding(model, mesh, cfg.sharding, env.device, cfg.train.seed, replicas_train_alone=local_sgd)
-    optimizer = build_optimizer(cfg.optimizer, model, env.device)
+    optimizer = build_optimizer(cfg.optimizer, model.parameters(), env.device)
     optimizer, cross_replica = setup_cross_replica(model, optimizer, mesh, cfg.averager)
     return Job(model, optimizer, rank_data(cfg, env), mesh, cross_replica, flops_per_token)
 

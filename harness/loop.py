@@ -12,9 +12,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
+from torch.distributed.fsdp import FSDPModule
 
 from harness.checkpoint import Checkpointer, checkpoint_dir, load, resume_path
 from harness.config import TrainConf, plain
+from harness.data import TokenStream
 from harness.dist import DistEnv, init_distributed, mean_over_ranks, node_of_each_rank, teardown, true_on_every_rank
 from harness.job import Job, build_job
 from harness.mesh import describe_replicas
@@ -109,6 +111,8 @@ def train(
         state.step = step
 
         row = job.cross_replica.step_metrics() if job.cross_replica is not None else {}
+        if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+            row["eval/loss"] = evaluate(job.model, job.data, cfg.eval_batches)
         saved = checkpointer.after_step(job, step, cfg.steps)
         row.update(saved)
         if not finite:
@@ -139,8 +143,22 @@ def train(
                     step_time,
                 )
             last_time, last_step = time.perf_counter(), step
-        elif row.get("averager/averaged") or saved or not finite:  # so are averaging, save and skipped steps
+        elif row.get("averager/averaged") or saved or not finite or "eval/loss" in row:  # and these steps
             sink.log(row, step)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, data: TokenStream, batches: int) -> float:
+    """Mean loss over the first `batches` held-out batches, averaged over ranks
+    (between averagings: over the replicas, each scored on the same data).
+    Dropout is off and no RNG is drawn, so an eval pass leaves training bitwise unchanged."""
+    model.eval()
+    total = sum(model(*data.eval_batch(index)) for index in range(batches))
+    model.train()
+    for module in model.modules():  # FSDP2 leaves the root unsharded after a forward without backward
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    return mean_over_ranks(total / batches)
 
 
 class NonFiniteLossError(RuntimeError):

@@ -15,13 +15,14 @@ from torch.distributed.tensor import DTensor
 from harness.dist import local_view
 
 
-def build_optimizer(cfg: DictConfig, model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
-    """`optimizer.fused: null` picks the fused kernels on CUDA (one launch for all
+def build_optimizer(cfg: DictConfig, params, device: torch.device) -> torch.optim.Optimizer:
+    """The optimizer `cfg` names over `params`, which live on `device`.
+    `fused: null` picks the fused kernels on CUDA (one launch for all
     parameters) and the class's own default elsewhere."""
     overrides = {}
     if "fused" in cfg and cfg.fused is None:
         overrides["fused"] = True if device.type == "cuda" else None
-    return instantiate(cfg, _convert_="all", **overrides)(model.parameters())
+    return instantiate(cfg, _convert_="all", **overrides)(params)
 
 
 @torch.no_grad()

@@ -101,6 +101,9 @@ def _check_train(cfg: DictConfig, world_size: int, gpus: int, local_world_size: 
     ]:
         errors += _at_least(cfg, key, minimum, f"set {key}={max(minimum, 1)} or larger")
     errors += _at_least(cfg, "train.grad_clip", 0, "set train.grad_clip=0 to disable clipping")
+    errors += _at_least(cfg, "train.eval_every", 0, "train.eval_every=0 (no eval pass) or e.g. 100")
+    if cfg.train.eval_every > 0:
+        errors += _at_least(cfg, "train.eval_batches", 1, "train.eval_batches=4")
     for key in ("launcher.nproc", "dist.threads_per_rank"):
         if OmegaConf.select(cfg, key) is not None:
             errors += _at_least(cfg, key, 1, f"set {key}=null (automatic) or a positive number")
@@ -224,7 +227,12 @@ def _check_sharding_and_averager(cfg: DictConfig, world_size: int, local_world_s
     from torch.distributed.algorithms.model_averaging.averagers import ModelAverager
 
     averager_cls, target_errors = target_class(
-        avg, "averager", ModelAverager, "torch ModelAverager", ("mesh", "traffic"), "none|periodic|hierarchical"
+        avg,
+        "averager",
+        ModelAverager,
+        "torch ModelAverager",
+        ("mesh", "traffic", "model"),
+        "none|periodic|hierarchical|diloco",
     )
     errors += target_errors
     if replicate < 2:
@@ -241,7 +249,7 @@ def _check_sharding_and_averager(cfg: DictConfig, world_size: int, local_world_s
             f"ranks hold different shards, so there is nothing to average. Fix: {fix}, or averager=none."
         )
     elif averager_cls is not None and hasattr(averager_cls, "config_errors"):
-        errors += averager_cls.config_errors(avg, replicate)
+        errors += averager_cls.config_errors(cfg, replicate)
     return errors
 
 

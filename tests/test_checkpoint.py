@@ -26,11 +26,24 @@ from support import (
 LOCAL_SGD = ["optimizer=adamw", "averager=periodic", "averager.period=3"]
 # warmup 2: averaging at steps 3, 6, 9, 12, so the replicas have diverged at step 7
 LAYOUTS = {
-    "2x1": ["launcher.nproc=2", "sharding=no_shard", "averager.warmup_steps=2"],
-    "2x2": ["launcher.nproc=4", "sharding=hybrid_shard", "sharding.replicate=2", "averager.warmup_steps=2"],
+    "2x1": ["launcher.nproc=2", "sharding=no_shard", "averager.warmup_steps=2", *LOCAL_SGD],
+    "2x2": ["launcher.nproc=4", "sharding=hybrid_shard", "sharding.replicate=2", "averager.warmup_steps=2", *LOCAL_SGD],
     # DDP, 4 replicas: synchronous (4-rank gradient all-reduce) until step 8, then
     # post_localSGD_hook with averaging at 9 and 12
-    "ddp4": ["launcher.nproc=4", "sharding=ddp", "averager.warmup_steps=8"],
+    "ddp4": ["launcher.nproc=4", "sharding=ddp", "averager.warmup_steps=8", *LOCAL_SGD],
+    # Streaming DiLoCo in bf16: fragment 0 syncs at 5 and 13, fragment 1 at 9, so at
+    # step 7 only fragment 0 has outer-optimizer state, and 10 and 12 fall between syncs
+    "2x2-diloco": [
+        "launcher.nproc=4",
+        "sharding=hybrid_shard",
+        "sharding.replicate=2",
+        "optimizer=adamw",
+        "averager=diloco",
+        "averager.period=8",
+        "averager.fragments=2",
+        "averager.warmup_steps=4",
+        "averager.comm_dtype=bfloat16",
+    ],
 }
 PROBE = REPO / "tests" / "probes" / "checkpoint_probe.py"
 
@@ -47,9 +60,10 @@ def test_resume_in_every_mode_is_bitwise_equal_to_an_uninterrupted_run(layout, t
     """Run A trains 12 steps. Run B stops at 7 (between averaging steps) saving
     sharded, resumes to 9 (an averaging step) saving full, and resumes to 12
     saving sharded with async_save (at 10, while training goes on, and at 12):
-    model and optimizer state at 10 and 12, and every loss after step 7, equal
+    everything the checkpoints at 10 and 12 hold (model, optimizer, RNG states,
+    DiLoCo's outer parameters and state), and every loss after step 7, equal
     A's bit for bit."""
-    base = [*LAYOUTS[layout], *LOCAL_SGD, "model.dropout=0.1", "checkpoint.interval=10", "checkpoint.keep=3"]
+    base = [*LAYOUTS[layout], "model.dropout=0.1", "checkpoint.interval=10", "checkpoint.keep=3"]
     a, b = tmp_path / "a", tmp_path / "b"
     train(a, cli_env, *base, "train.steps=12", "checkpoint=sharded")
     train(b, cli_env, *base, "train.steps=7", "checkpoint=sharded")
@@ -69,6 +83,10 @@ def test_resume_in_every_mode_is_bitwise_equal_to_an_uninterrupted_run(layout, t
     assert meta["data"]["samples"] == 9 * 4 * int(LAYOUTS[layout][0].split("=")[1])
     # every replica's local progress is in the checkpoint, not just replica 0's
     assert (b / "checkpoints" / "step_9" / "replica_1.pt").exists()
+    if "diloco" in layout:  # the outer state is in the checkpoint, once
+        parts = torch.load(b / "checkpoints" / "step_9" / "full.pt", weights_only=True)["parts"]["cross_replica"]
+        assert set(parts["params"]) == set(saved_state(a / "checkpoints" / "step_12", tmp_path)["model"])
+        assert meta["cross_replica"]["averager"]["outer_state"]  # fragments synced so far have optimizer state
     rows = read_metrics(b)
     resumed = [r for r in rows if "run/resumed_from_step" in r]
     assert [r["run/resumed_from_step"] for r in resumed] == [7, 9]
@@ -172,7 +190,7 @@ def test_sharded_checkpoint_reshards_exactly_and_training_continues(tmp_path, cl
 @pytest.mark.slow
 def test_diverged_replicas_load_as_their_mean_into_another_replica_count(tmp_path, cli_env):
     run = tmp_path / "run"
-    train(run, cli_env, *LAYOUTS["2x1"], *LOCAL_SGD, "train.steps=5", "checkpoint=full")
+    train(run, cli_env, *LAYOUTS["2x1"], "train.steps=5", "checkpoint=full")
     step_dir = run / "checkpoints" / "step_5"  # steps 4-5 were local: the replicas differ
     r0 = torch.load(step_dir / "full.pt", weights_only=True)["model"]
     r1 = torch.load(step_dir / "replica_1.pt", weights_only=True)["model"]

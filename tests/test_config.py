@@ -75,6 +75,8 @@ def test_mission_configs_are_valid():
         (["sharding.strategy=zero3"], "Invalid value 'zero3', expected one of [full_shard, shard_grad_op"),
         (["checkpoint.mode=sometimes"], "Invalid value 'sometimes', expected one of [none, full, sharded]"),
         (["wandb.mode=loud"], "Invalid value 'loud', expected one of [offline, online, disabled]"),
+        (["averager.comm_dtype=float16"], "Invalid value 'float16', expected one of [float32, bfloat16]"),
+        (["averager=diloco", "averager.outer_device=gpu"], "Invalid value 'gpu', expected one of [device, cpu]"),
     ],
 )
 def test_hydra_rejects_typos_and_wrong_types_at_composition(overrides, error):
@@ -190,6 +192,26 @@ RULES = [
         ["list of [period, group_size] pairs"],
     ),
     (["averager=hierarchical", "sharding=full_shard"], 4, 0, ["HierarchicalReplicaAverager", "1 replica"]),
+    (["averager=diloco", "sharding=full_shard"], 2, 0, ["DiLoCoAverager averages", "1 replica", "sharding=no_shard"]),
+    (
+        ["averager=diloco", "averager.fragments=3"],
+        2,
+        0,
+        ["averager.fragments=3 does not divide averager.period=16", "[1, 2, 4, 8, 16]"],
+    ),
+    (["averager=diloco", "averager.fragments=8"], 2, 0, ["averager.fragments=8 exceeds the model's 4 blocks"]),
+    (["averager=diloco", "averager.fragments=0"], 2, 0, ["averager.fragments=0", ">= 1"]),
+    (
+        ["averager=diloco", "averager.outer_optimizer._target_=torch.nn.Linear"],
+        2,
+        0,
+        ["averager.outer_optimizer._target_='torch.nn.Linear' is not a torch.optim.Optimizer", "nesterov|adamw"],
+    ),
+    (["averager=diloco", "averager.outer_optimizer.lr=0"], 2, 0, ["averager.outer_optimizer.lr=0", "0.7"]),
+    (["averager=diloco", "averager.period=0"], 2, 0, ["averager.period=0"]),
+    (["train.eval_every=-1"], 2, 0, ["train.eval_every=-1", "train.eval_every=0"]),
+    (["train.eval_every=10", "train.eval_batches=0"], 2, 0, ["train.eval_batches=0"]),
+    (["data=text", "data.eval_fraction=1.0"], 2, 0, ["data.eval_fraction=1.0", "[0, 1)"]),
     (["checkpoint=sharded", "checkpoint.interval=0"], 2, 0, ["checkpoint.interval=0"]),
     (["checkpoint=full", "checkpoint.keep=0"], 2, 0, ["checkpoint.keep=0"]),
     (
@@ -244,7 +266,7 @@ def test_any_torch_optim_class_is_one_yaml_file_away(tmp_path):
     )
     cfg = make(f"hydra.searchpath=[file://{tmp_path}]", "optimizer=rmsprop")
     validate(cfg, world_size=2, gpus=0)
-    optimizer = build_optimizer(cfg.optimizer, torch.nn.Linear(2, 2), torch.device("cpu"))
+    optimizer = build_optimizer(cfg.optimizer, torch.nn.Linear(2, 2).parameters(), torch.device("cpu"))
     assert isinstance(optimizer, torch.optim.RMSprop) and optimizer.defaults["alpha"] == 0.9
     with pytest.raises(ConfigError, match="optimizer.alpah=0.9 is not an argument of torch.optim.RMSprop"):
         validate(

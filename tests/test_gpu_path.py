@@ -30,7 +30,7 @@ def adamw(**overrides):
 
 
 def test_fused_optimizer_is_the_default_on_cuda_only():
-    params = torch.nn.Linear(2, 2)
+    params = list(torch.nn.Linear(2, 2).parameters())
     assert build_optimizer(adamw(), params, torch.device("cuda")).defaults["fused"] is True
     assert build_optimizer(adamw(), params, CPU).defaults["fused"] is None
     assert build_optimizer(adamw(fused=False), params, torch.device("cuda")).defaults["fused"] is False

@@ -1,8 +1,9 @@
 """Saving on schedule and loading at start, whatever the mode: `Checkpointer`
 and `load`. What a checkpoint holds is the model and optimizer (written by the
 mode: `full` or `sharded`), every rank's RNG states, and the job's named
-stateful parts (`Job.checkpoint_parts`); the mode only decides how the tensors
-reach the disk."""
+stateful parts (`Job.checkpoint_parts`): their small state in meta.json, their
+tensors (`tensor_state_dict`) next to the model's under `parts/<name>`; the
+mode only decides how the tensors reach the disk."""
 
 from __future__ import annotations
 
@@ -82,10 +83,13 @@ class Checkpointer:
         partial = self._open_partial(step)
         self._refuse_nonfinite(job, step)
         layout = replica_layout(job)
+        parts = job.checkpoint_parts()
+        part_tensors = {name: tensors for name, part in parts.items() if (tensors := tensor_state(part))}
         meta = {
             "step": step,
             "mode": self.cfg.mode,
-            **{name: part.state_dict() for name, part in job.checkpoint_parts().items()},
+            **{name: part.state_dict() for name, part in parts.items()},
+            "tensor_parts": sorted(part_tensors),
             "world_size": dist.get_world_size(),
             "replica_copies": layout.replicas if layout.diverged else 1,
             "mesh": dict(zip(job.mesh.mesh_dim_names, job.mesh.shape)),
@@ -96,7 +100,7 @@ class Checkpointer:
         }
         rngs = [None] * dist.get_world_size() if self.rank == 0 else None
         dist.gather_object(rng_state(), rngs, dst=0)
-        payload = self.mode.stage(*get_state_dict(job.model, inner_optimizer(job.optimizer)), layout)
+        payload = self.mode.stage(*get_state_dict(job.model, inner_optimizer(job.optimizer)), part_tensors, layout)
         synchronize(self.device)
         timings = {"checkpoint/state_dict_s": time.perf_counter() - start, "checkpoint/mode": self.mode.name}
         if self.async_save:
@@ -207,8 +211,21 @@ def load(path: Path, job: Job, rank: int) -> tuple[dict, dict]:
     parts: dict[str, Stateful] = job.checkpoint_parts()
     for name, part in parts.items():
         part.load_state_dict({"step": meta["step"], **meta.get(name, {})})
+    # after the small state, which says what the tensors are (e.g. which have optimizer state)
+    templates = {name: tensors for name, part in parts.items() if (tensors := tensor_state(part))}
+    saved = {name: templates[name] for name in meta.get("tensor_parts", []) if name in templates}
+    if saved:
+        with _loading(path):
+            mode.load_parts(path, saved)  # in place
+    for name in templates:
+        parts[name].load_tensor_state_dict(saved.get(name))
     synchronize(job.data.device)
     return meta, {"checkpoint/load_s": time.perf_counter() - start, "checkpoint/set_state_dict_s": set_s}
+
+
+def tensor_state(part: Stateful) -> dict:
+    """A part's tensors (in the parameters' layout), or {} for a part that has none."""
+    return part.tensor_state_dict() if hasattr(part, "tensor_state_dict") else {}
 
 
 def _restore_rngs(path: Path, rank: int) -> None:

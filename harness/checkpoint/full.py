@@ -1,6 +1,7 @@
 """`checkpoint=full`: one file of plain, whole tensors per replica copy,
-`full.pt` = {"model": FQN -> tensor, "optim": FQN-keyed state}, loadable with
-`torch.load(weights_only=True)` anywhere, torch.distributed or not."""
+`full.pt` = {"model": FQN -> tensor, "optim": FQN-keyed state, "parts": the
+stateful parts' tensors (the same on every replica, so in `full.pt` only)},
+loadable with `torch.load(weights_only=True)` anywhere, torch.distributed or not."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from harness.checkpoint.files import write_durably
 from harness.checkpoint.replicas import Layout
@@ -33,6 +34,14 @@ def gather_full(state: Any, keep: bool) -> Any:
     if isinstance(state, dict):
         return {k: gather_full(v, keep) for k, v in state.items()}
     if isinstance(state, DTensor):
+        if state.to_local().device.type != state.device_mesh.device_type:  # e.g. DiLoCo's outer state in host memory
+            state = DTensor.from_local(
+                state.to_local().to(state.device_mesh.device_type),
+                state.device_mesh,
+                state.placements,
+                shape=state.shape,
+                stride=state.stride(),
+            )
         state = state.full_tensor()  # collective: every rank gathers, in the same order
     if torch.is_tensor(state):
         return state.detach().cpu() if keep else None
@@ -42,11 +51,14 @@ def gather_full(state: Any, keep: bool) -> Any:
 class FullMode:
     name = "full"
 
-    def stage(self, model_sd: dict, optim_sd: dict, layout: Layout) -> dict | None:
+    def stage(self, model_sd: dict, optim_sd: dict, parts_sd: dict, layout: Layout) -> dict | None:
         """The whole state on each replica leader that writes a copy (collective)."""
         keep = layout.replica_leader and (layout.replica == 0 or layout.diverged)
         payload = gather_full({"model": model_sd, "optim": optim_sd}, keep)
-        return payload if keep else None
+        parts = gather_full(parts_sd, keep and layout.replica == 0)
+        if not keep:
+            return None
+        return {**payload, "parts": parts} if layout.replica == 0 and parts else payload
 
     def write(self, payload: dict | None, layout: Layout, partial: Path) -> None:
         if payload is not None:
@@ -63,3 +75,19 @@ class FullMode:
         set_model_state_dict(model, state["model"], options=full)
         set_optimizer_state_dict(model, optim, state["optim"], options=full)
         return time.perf_counter() - start
+
+    def load_parts(self, path: Path, parts: dict) -> None:
+        """Fill `parts` (tensors in this run's layout) in place from `full.pt`."""
+        _fill(parts, torch.load(path / FULL_FILE, map_location="cpu", mmap=True, weights_only=True)["parts"])
+
+
+@torch.no_grad()
+def _fill(target: dict, saved: dict) -> None:
+    for key, value in target.items():
+        if isinstance(value, dict):
+            _fill(value, saved[key])
+        elif isinstance(value, DTensor):  # this rank's slice of the whole tensor, no communication
+            local = distribute_tensor(saved[key], value.device_mesh, value.placements, src_data_rank=None)
+            value.to_local().copy_(local.to_local())
+        elif torch.is_tensor(value):
+            value.copy_(saved[key])

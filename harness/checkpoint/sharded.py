@@ -20,9 +20,12 @@ from harness.compat import ReusableStager
 class ShardedMode:
     name = "sharded"
 
-    def stage(self, model_sd: dict, optim_sd: dict, layout: Layout) -> dict:
+    def stage(self, model_sd: dict, optim_sd: dict, parts_sd: dict, layout: Layout) -> dict:
+        """Each replica copy under its key; the parts' tensors (the same on every
+        replica, so DCP writes them once) under `parts`."""
         payload = {"model": model_sd, "optim": optim_sd}
-        return payload if layout.copy_key is None else {layout.copy_key: payload}
+        payload = payload if layout.copy_key is None else {layout.copy_key: payload}
+        return {**payload, "parts": parts_sd} if parts_sd else payload
 
     def write(self, payload: dict, layout: Layout, partial: Path) -> None:
         dcp.save(payload, checkpoint_id=str(partial))
@@ -37,6 +40,10 @@ class ShardedMode:
         start = time.perf_counter()
         set_state_dict(model, optim, model_state_dict=model_sd, optim_state_dict=optim_sd)
         return time.perf_counter() - start
+
+    def load_parts(self, path: Path, parts: dict) -> None:
+        """Read this rank's shards of the parts' tensors, in place."""
+        dcp.load({"parts": parts}, checkpoint_id=str(path))
 
 
 class AsyncShardedMode(ShardedMode):

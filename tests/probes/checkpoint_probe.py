@@ -2,7 +2,8 @@
 it with the harness's own `restore`, and write what the model then holds.
 
 Usage: torchrun --nproc-per-node N tests/probes/checkpoint_probe.py CKPT OUT.pt [hydra overrides...]
-Writes OUT.pt (rank 0): {"model": FQN -> full tensor, "step": int, "samples": int}.
+Writes OUT.pt (rank 0): {"model": FQN -> full tensor, "parts": the stateful
+parts' tensors, whole, "step": int, "samples": int}.
 """
 
 import os
@@ -18,6 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from harness.checkpoint import gather_full  # noqa: E402
+from harness.checkpoint.checkpointer import tensor_state  # noqa: E402
 from harness.config import register_configs  # noqa: E402
 from harness.dist import init_distributed, teardown  # noqa: E402
 from harness.job import build_job  # noqa: E402
@@ -32,8 +34,9 @@ def main(ckpt: str, out: str, overrides: list[str]) -> None:
     job, state = build_job(cfg, env), TrainState()
     restore(job, state, Path(ckpt), env.rank)
     model = gather_full(get_model_state_dict(job.model), keep=env.is_main)
+    parts = {name: gather_full(tensor_state(part), keep=env.is_main) for name, part in job.checkpoint_parts().items()}
     if env.is_main:
-        torch.save({"model": model, "step": state.step, "samples": job.data.samples}, out)
+        torch.save({"model": model, "parts": parts, "step": state.step, "samples": job.data.samples}, out)
     dist.barrier()
     teardown()
 

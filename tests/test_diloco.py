@@ -1,0 +1,132 @@
+"""DiLoCo and Streaming DiLoCo with real ranks: outer SGD at lr 1 is post-local
+SGD, fragments sync once per period each, bf16 halves the bytes, the outer
+state reshards with the model, and the eval pass scores held-out data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_checkpoint import probe
+from test_config import make
+
+from harness.models import build_model
+
+from support import FAST, REPO, assert_bitwise_equal, check_ok, loss_by_step, read_metrics, run_cli, saved_state
+
+# 2 replicas of the tiny MLP; warmup 2, period 4: syncs at steps 3, 7 and 11
+LOCAL = ["launcher.nproc=2", "sharding=no_shard", "optimizer=adamw", "averager.period=4", "averager.warmup_steps=2"]
+OUTER_IS_AVERAGE = [
+    "averager=diloco",
+    "averager.outer_optimizer.lr=1.0",
+    "averager.outer_optimizer.momentum=0",
+    "averager.outer_optimizer.nesterov=false",
+]
+
+
+def train(run_dir: Path, env: dict, *overrides: str) -> list[dict]:
+    check_ok(run_cli([*FAST, f"hydra.run.dir={run_dir}", *overrides], env, REPO))
+    return read_metrics(run_dir)
+
+
+def syncs(rows: list[dict]) -> dict[int, dict]:
+    return {r["step"]: r for r in rows if r.get("averager/averaged")}
+
+
+@pytest.mark.slow
+def test_outer_sgd_at_lr_1_is_post_local_sgd_and_bf16_halves_the_bytes(tmp_path, cli_env):
+    """DiLoCo averages Δ = θ_outer - θ_r and steps θ_outer - mean Δ; post-local
+    SGD averages θ_r. Equal in exact arithmetic; in floats each subtraction
+    rounds, so after a sync the two differ only in the last bits of elements
+    near zero (a few % of them, by at most eps * max|θ|), and later Adam steps
+    carry that on at the same scale."""
+    common = [*LOCAL, "train.steps=11", "checkpoint=full", "checkpoint.interval=3", "checkpoint.keep=4"]
+    periodic = train(tmp_path / "periodic", cli_env, *common, "averager=periodic")
+    diloco = train(tmp_path / "diloco", cli_env, *common, *OUTER_IS_AVERAGE)
+    after_first_sync = [
+        saved_state(tmp_path / run / "checkpoints" / "step_3", tmp_path)["model"] for run in ("periodic", "diloco")
+    ]
+    for key, a in after_first_sync[0].items():
+        b = after_first_sync[1][key]
+        torch.testing.assert_close(b, a, rtol=0, atol=torch.finfo(a.dtype).eps * a.abs().max().item())
+    assert sum(int(torch.equal(a, after_first_sync[1][k])) for k, a in after_first_sync[0].items()) >= 1
+    la, lb = loss_by_step(tmp_path / "periodic"), loss_by_step(tmp_path / "diloco")
+    for step in la:
+        assert lb[step] == pytest.approx(la[step], rel=1e-5)
+    assert sorted(syncs(periodic)) == sorted(syncs(diloco)) == [3, 7, 11]
+    assert [r["averager/outer_lr"] for r in syncs(diloco).values()] == [1.0] * 3
+    full_sync = {r["comm/averaging_bytes"] for r in syncs(periodic).values()}
+    assert {r["comm/averaging_bytes"] for r in syncs(diloco).values()} == full_sync
+
+    bf16 = train(
+        tmp_path / "bf16", cli_env, *LOCAL, "train.steps=11", "averager=periodic", "averager.comm_dtype=bfloat16"
+    )
+    assert [r["comm/averaging_bytes"] * 2 for r in syncs(bf16).values()] == [full_sync.pop()] * 3
+
+
+@pytest.mark.slow
+def test_fragments_sync_once_per_period_each_and_split_the_bytes(tmp_path, cli_env):
+    """Period 8, 4 fragments, bf16: a fragment every 2 steps, in turn; each step's
+    bytes at most 1.5/4 of a whole sync, the four together exactly one (in bf16:
+    half of the float32 sync)."""
+    rows = train(
+        tmp_path / "run",
+        cli_env,
+        *LOCAL,
+        "model.n_layer=4",
+        "train.steps=18",
+        "averager=diloco",
+        "averager.period=8",
+        "averager.fragments=4",
+        "averager.comm_dtype=bfloat16",
+    )
+    synced = syncs(rows)
+    assert [(s, r["averager/fragment"]) for s, r in synced.items()] == [
+        (3, 0),
+        (5, 1),
+        (7, 2),
+        (9, 3),
+        (11, 0),
+        (13, 1),
+        (15, 2),
+        (17, 3),
+    ]
+    whole = sum(r["comm/averaging_bytes"] for s, r in synced.items() if s < 11)
+    params = sum(p.numel() for p in build_model(make("model=mlp", "model.n_layer=4").model, 16).parameters())
+    assert whole == params * 2  # bf16: 2 bytes per parameter, each fragment once per period
+    assert max(r["comm/averaging_bytes"] for r in synced.values()) <= 1.5 / 4 * whole
+    assert all(r["averager/pseudo_grad_norm"] > 0 and r["averager/outer_lr"] == 0.7 for r in synced.values())
+    assert all(r["comm/averaging_bytes"] == 0 for r in rows if r["step"] not in synced)
+
+
+@pytest.mark.slow
+def test_outer_state_reshards_with_the_model(tmp_path, cli_env):
+    """θ_outer and the outer optimizer state saved by 2 replicas x 2 shards
+    (sharded) load exactly into 2 x 1, and saved by 2 x 1 (full) into 2 x 2."""
+    diloco = ["averager=diloco", "averager.period=4", "averager.fragments=2", "averager.warmup_steps=2"]
+    hybrid = ["launcher.nproc=4", "sharding=hybrid_shard", "sharding.replicate=2"]
+    plain = ["launcher.nproc=2", "sharding=no_shard"]
+    for name, saved_by, mode, loaded_by, nproc in [
+        ("sharded", hybrid, "sharded", plain, 2),
+        ("full", plain, "full", hybrid, 4),
+    ]:
+        run = tmp_path / name
+        train(run, cli_env, *saved_by, *diloco, "train.steps=6", f"checkpoint={mode}")
+        step_dir = run / "checkpoints" / "step_6"
+        saved = saved_state(step_dir, tmp_path)["parts"]["cross_replica"]
+        got = probe(step_dir, tmp_path / f"{name}.pt", nproc, cli_env, *loaded_by, *diloco)
+        assert_bitwise_equal(got["parts"]["cross_replica"], saved)
+        assert set(saved["optim_state"]) == set(saved["params"])  # both fragments have synced by step 6
+
+
+@pytest.mark.slow
+def test_eval_pass_scores_held_out_text_and_leaves_training_unchanged(tmp_path, cli_env):
+    common = [*LOCAL, "averager=diloco", "data=text", "model.dropout=0.1", "train.steps=6"]
+    train(tmp_path / "plain", cli_env, *common)
+    rows = train(tmp_path / "eval", cli_env, *common, "train.eval_every=4", "train.eval_batches=2")
+    assert [r["step"] for r in rows if "eval/loss" in r] == [4, 6]  # every 4 steps and at the end
+    assert loss_by_step(tmp_path / "eval") == loss_by_step(
+        tmp_path / "plain"
+    )  # dropout is off while scoring and no RNG is drawn
+    assert all(0 < r["eval/loss"] < 6 for r in rows if "eval/loss" in r)
