@@ -418,8 +418,9 @@ class Link:
         if sh("ip", "link", "show", self.dev[0], quiet=True, check=False):  # veth made but never moved
             sh("ip", "link", "del", self.dev[0])
 
-    def node_cmd(self, node: int, averager: Averager, args: argparse.Namespace, run_dir: Path, n: int) -> list[str]:
-        """One node's torchrun; node 0 hosts the rendezvous store on its veth address."""
+    def node_cmd(self, node: int, train_args: list[str], n: int) -> list[str]:
+        """One node's torchrun of `train.py train_args` (run `n` of the bench); node 0
+        hosts the rendezvous store on its veth address."""
         return [
             "ip",
             "netns",
@@ -445,9 +446,7 @@ class Link:
             "--local-addr",
             self.addr[node],
             "train.py",
-            *LAYOUTS[LINK_LAYOUT],
-            *averager.overrides,
-            *train_overrides(args.steps, run_dir),
+            *train_args,
         ]
 
 
@@ -495,6 +494,9 @@ def run_link(link: Link, args: argparse.Namespace, workdir: Path) -> None:
     configs = [(rate, a) for rate in args.rates for a in averagers(args.periods, args.warmup)]
     shaped = [None]
 
+    def train_args(averager: Averager, run_dir: Path) -> list[str]:
+        return [*LAYOUTS[LINK_LAYOUT], *averager.overrides, *train_overrides(args.steps, run_dir)]
+
     def run_one(config: tuple, run_dir: Path, n: int) -> RunResult:
         rate, averager = config
         if shaped[0] != rate:
@@ -503,12 +505,12 @@ def run_link(link: Link, args: argparse.Namespace, workdir: Path) -> None:
         run_dir.mkdir(parents=True)
         logs = [run_dir / f"node{node}.out" for node in (0, 1)]
         sent, began = link.sent_bytes(), time.monotonic()
-        procs = [start(link.node_cmd(node, averager, args, run_dir, n), logs[node]) for node in (0, 1)]
+        procs = [start(link.node_cmd(node, train_args(averager, run_dir), n), logs[node]) for node in (0, 1)]
         wait_all(procs, logs, RUN_TIMEOUT_S)
         result = summarize(run_dir, args.warmup, args.steps, time.monotonic() - began)
         return replace(result, link_bytes=link.sent_bytes() - sent)
 
-    example = [shlex.join(link.node_cmd(node, configs[-1][1], args, workdir / "<run>", 0)) for node in (0, 1)]
+    example = [shlex.join(link.node_cmd(node, train_args(configs[-1][1], workdir / "<run>"), 0)) for node in (0, 1)]
     print(
         "commands per run, both nodes at once (rendezvous port/id and averager overrides vary; "
         "both nodes share hydra.run.dir, where only rank 0 writes metrics.jsonl):\n  " + "\n  ".join(example)

@@ -65,6 +65,7 @@ class DiLoCoAverager(ReplicaAverager):
     @staticmethod
     def config_errors(cfg: DictConfig, replicas: int) -> list[str]:
         from harness.models import build_model
+        from harness.optim import HARNESS_KEYS
         from harness.validate import target_class
 
         avg = cfg.averager
@@ -82,7 +83,14 @@ class DiLoCoAverager(ReplicaAverager):
                 "torch.optim.Optimizer",
                 ("params",),
                 "nesterov|adamw",
+                HARNESS_KEYS,
             )[1]
+            if outer.get("in_backward"):
+                errors.append(
+                    "averager.outer_optimizer.in_backward=true: the outer optimizer steps at syncs, not in "
+                    "backward. Fix: averager.outer_optimizer.in_backward=false (optimizer.in_backward is the "
+                    "local optimizer's)."
+                )
             lr = outer.get("lr")
             if not isinstance(lr, (int, float)) or lr <= 0:
                 errors.append(
@@ -206,18 +214,33 @@ class DiLoCoAverager(ReplicaAverager):
 
     @torch.no_grad()
     def load_tensor_state_dict(self, state: dict | None) -> None:
-        """`state` was loaded in place into `tensor_state_dict()`'s tensors; None:
+        """`state`: `tensor_state_dict()`'s tensors, filled by the load. They
+        share storage with the outer state on the device; in host memory
+        (`outer_device=cpu`) the layout wrappers are device copies (a DTensor
+        lives on its mesh's device), so the values are copied back here. None:
         the checkpoint has no outer state (saved by another averager), so
         θ_outer starts as the replicas' mean of the parameters."""
         if state is None:
             self.set_outer(range(len(self.params)))
             for bucket in buckets(self.outer):
-                flat = torch.cat([self.outer[i].reshape(-1) for i in bucket])
-                dist.all_reduce(flat, group=self.process_group)
-                flat.div_(self.process_group.size())
+                flat = torch.cat([self.outer[i].reshape(-1) for i in bucket]).to(local_view(self.params[0]).device)
+                mean_over_group(flat, self.process_group, flat.dtype)
                 torch._foreach_copy_(
-                    [self.outer[i] for i in bucket], list(flat.split([self.outer[i].numel() for i in bucket]))
+                    [self.outer[i] for i in bucket],
+                    [
+                        f.view_as(self.outer[i])
+                        for i, f in zip(bucket, flat.split([self.outer[i].numel() for i in bucket]))
+                    ],
                 )
+            return
+        for name, t in zip(self.names, self.outer):
+            t.copy_(local_view(state["params"][name]))
+            own = self.outer_optimizer.state[t]
+            for key, value in state["optim_state"].get(name, {}).items():
+                if torch.is_tensor(own.get(key)) and torch.is_tensor(value):
+                    own[key].copy_(local_view(value))
+                else:
+                    own[key] = value
 
     def _create_state(self, indices: list[int]) -> None:
         """Give exactly these outer parameters optimizer state, for a load to fill

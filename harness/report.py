@@ -5,7 +5,9 @@ offline and after the fact.
     python -m harness.report <sweep dir>  ->  <sweep dir>/report/jobs.md, jobs.csv, loss.png, tradeoff.png
 
 A sweep report has one line per job dir, failed jobs included (their
-`result.json` says why), sorted by final loss.
+`result.json` says why), sorted by final loss. `tradeoff.png` puts each job's
+final loss (held-out `eval/loss` when every job has one) against its
+cross-replica bytes and against its training time.
 """
 
 from __future__ import annotations
@@ -93,6 +95,8 @@ def summarize(run: Run) -> dict:
         "status": status(run),
         "steps": run.rows[-1]["step"] if run.rows else 0,
         "final loss": _round(run.last("train/loss"), 4),
+        "eval loss": _round(run.last("eval/loss"), 4),
+        "training s": _round(training_seconds(run), 1),
         "tokens/s (median)": _round(statistics.median(tokens), 0) if tokens else None,
         "cross-replica MB per rank": _round(total_bytes / 1e6, 3) if total_bytes is not None else None,
         "averaging steps": sum(1 for row in run.rows if row.get("averager/averaged")),
@@ -102,6 +106,16 @@ def summarize(run: Run) -> dict:
         "checkpoint load s": _round(sum(loads), 3) if loads else None,
         "failure": run.result["reason"][:160] if run.result and run.result["status"] != "completed" else "",
     }
+
+
+def training_seconds(run: Run) -> float | None:
+    """Time spent in the loop: each logged `train/step_time_s` is the mean since the previous log."""
+    total, previous = 0.0, 0
+    for row in run.rows:
+        if row.get("train/step_time_s") is not None:
+            total += row["train/step_time_s"] * (row["step"] - previous)
+            previous = row["step"]
+    return total if previous else None
 
 
 def _round(value: float | None, digits: int) -> float | None:
@@ -164,15 +178,18 @@ def plot_run(run: Run, path: Path) -> None:
 def describe(config: dict) -> str:
     """The knobs a reader compares runs by, in one line."""
     model, optim, avg, shard = (config.get(k) or {} for k in ("model", "optimizer", "averager", "sharding"))
-    averager = avg.get("name", "?")
-    if averager == "periodic":
+    averager = _class_name(avg) if avg.get("_target_") else "none (synchronous)"
+    if "period" in avg:
         averager += f" every {avg.get('period')} steps after {avg.get('warmup_steps')}"
-    optimizer = str(optim.get("_target_", "?")).rsplit(".", 1)[-1]
     return (
-        f"{model.get('name', '?')} model, {optimizer} lr {optim.get('lr', '?')}, averager {averager}, "
+        f"{_class_name(model)} model, {_class_name(optim)} lr {optim.get('lr', '?')}, averager {averager}, "
         f"{shard.get('strategy', '?')} ({shard.get('replicate') or 'implied'} replicas), "
         f"{(config.get('launcher') or {}).get('nproc', '?')} local ranks"
     )
+
+
+def _class_name(node: dict) -> str:
+    return str(node.get("_target_") or node.get("name") or "?").rsplit(".", 1)[-1]
 
 
 def _checkpoint_bars(run: Run, ax) -> None:
@@ -226,35 +243,37 @@ def plot_sweep_loss(runs: list[Run], path: Path, title: str, colors: dict[str, s
 
 
 def plot_tradeoff(lines: list[dict], path: Path, title: str, colors: dict[str, str]) -> None:
-    """Final loss against cross-replica traffic: local SGD's trade-off in one picture."""
-    fig, ax = plt.subplots(figsize=(9, 6))
-    points = [
-        line for line in lines if line["final loss"] is not None and line["cross-replica MB per rank"] is not None
-    ]
-    for line in points:
-        ax.scatter(
-            line["cross-replica MB per rank"],
-            line["final loss"],
-            s=40,
-            color=colors[line["name"]],
-            marker="o" if line["status"] == "completed" else "x",
-        )
-        ax.annotate(
-            line["name"],
-            (line["cross-replica MB per rank"], line["final loss"]),
-            fontsize=8,
-            xytext=(5, 4),
-            textcoords="offset points",
-        )
-    if not points:
-        _empty(ax, title, "no job logged both a loss and cross-replica traffic")
-    else:
-        ax.set_title(f"Final loss vs communication (lower left is better): {title}", fontsize=10)
-        ax.set_xlabel("cross-replica traffic per rank over the run (MB of gradients + parameters all-reduced)")
-        ax.set_ylabel("final training loss (nats)")
+    """Final loss against cross-replica traffic and against training time: the
+    trade-off of communication-efficient training in one picture."""
+    evaluated = all(line["eval loss"] is not None for line in lines if line["final loss"] is not None)
+    loss_key, loss_label = ("eval loss", "held-out eval/loss") if evaluated else ("final loss", "final training loss")
+    fig, axes = plt.subplots(1, 2, figsize=(15, 6))
+    for ax, x_key, x_label in [
+        (axes[0], "cross-replica MB per rank", "cross-replica traffic per rank over the run (MB all-reduced)"),
+        (axes[1], "training s", "training time (s, sum of step times; start-up excluded)"),
+    ]:
+        points = [line for line in lines if line[loss_key] is not None and line[x_key] is not None]
+        for line in points:
+            ax.scatter(
+                line[x_key],
+                line[loss_key],
+                s=40,
+                color=colors[line["name"]],
+                marker="o" if line["status"] == "completed" else "x",
+            )
+            ax.annotate(
+                line["name"], (line[x_key], line[loss_key]), fontsize=8, xytext=(5, 4), textcoords="offset points"
+            )
+        if not points:
+            _empty(ax, title, f"no job logged both a loss and {x_key}")
+            continue
+        ax.set_title(f"{loss_label} vs {x_key.split(' per')[0]} (lower left is better)", fontsize=10)
+        ax.set_xlabel(x_label)
+        ax.set_ylabel(f"{loss_label} at the last step (nats)")
         ax.set_xlim(left=0)
         ax.margins(x=0.25, y=0.1)  # room for the labels
         ax.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

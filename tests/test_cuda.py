@@ -112,3 +112,35 @@ def test_ddp_trains_in_bf16_on_cuda(tmp_path, cli_env):
         runs[dtype] = losses(tmp_path / dtype)
     assert runs["auto"] != runs["float32"]
     assert runs["auto"] == pytest.approx(runs["float32"], rel=2e-2)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="DiLoCo needs 2 replicas: 2 GPUs")
+def test_diloco_outer_state_in_host_memory(tmp_path, cli_env):
+    """averager.outer_device=cpu frees the outer parameters and momentum from
+    the GPU (2 fp32 copies of the parameters) and trains the same; a resume from
+    its checkpoint brings the host copy back."""
+    common = [
+        *FAST,
+        "model.d_model=512",
+        "model.hidden=2048",
+        "train.device=cuda",
+        "launcher.nproc=2",
+        "sharding=no_shard",
+        "averager=diloco",
+        "averager.period=2",
+        "averager.warmup_steps=2",
+        "checkpoint=sharded",
+        "checkpoint.interval=4",
+    ]
+    peak = {}
+    for where in ("device", "cpu"):
+        check_ok(run_cli([*common, f"averager.outer_device={where}", f"hydra.run.dir={where}"], cli_env, tmp_path))
+        peak[where] = max(
+            r["memory/cuda_max_allocated_gb"] for r in read_metrics(tmp_path / where) if "train/loss" in r
+        )
+    params_gb = 2 * 512 * (256 + 2 * 2 * 2048 + 256) * 4 / 2**30  # a rough lower bound: the MLP's weights
+    assert peak["device"] - peak["cpu"] > params_gb
+    torch.testing.assert_close(losses(tmp_path / "cpu"), losses(tmp_path / "device"), rtol=1e-4, atol=1e-5)
+    resumed = [*common, "averager.outer_device=cpu", "checkpoint.resume=cpu/checkpoints/step_4", "hydra.run.dir=more"]
+    check_ok(run_cli(resumed, cli_env, tmp_path))
+    torch.testing.assert_close(losses(tmp_path / "more"), losses(tmp_path / "cpu")[4:], rtol=1e-4, atol=1e-5)

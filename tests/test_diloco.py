@@ -118,6 +118,21 @@ def test_outer_state_reshards_with_the_model(tmp_path, cli_env):
         got = probe(step_dir, tmp_path / f"{name}.pt", nproc, cli_env, *loaded_by, *diloco)
         assert_bitwise_equal(got["parts"]["cross_replica"], saved)
         assert set(saved["optim_state"]) == set(saved["params"])  # both fragments have synced by step 6
+    # saved by post-local SGD (no outer state): θ_outer starts as the mean of the replicas
+    train(
+        tmp_path / "periodic",
+        cli_env,
+        *plain,
+        "averager=periodic",
+        "averager.warmup_steps=2",
+        "train.steps=5",
+        "checkpoint=full",
+    )
+    step_dir = tmp_path / "periodic" / "checkpoints" / "step_5"
+    replicas = [torch.load(step_dir / f, weights_only=True)["model"] for f in ("full.pt", "replica_1.pt")]
+    got = probe(step_dir, tmp_path / "from_periodic.pt", 2, cli_env, *plain, *diloco)
+    for name, outer in got["parts"]["cross_replica"]["params"].items():
+        torch.testing.assert_close(outer, (replicas[0][name] + replicas[1][name]) / 2, rtol=0, atol=1e-7)
 
 
 @pytest.mark.slow

@@ -92,7 +92,7 @@ def test_sweep_jobs_get_their_own_ranks_wandb_runs_and_one_report(tmp_path):
     assert {line["name"] for line in table} == names and all(line["status"] == "completed" for line in table)
     losses = [float(line["final loss"]) for line in table]
     assert losses == sorted(losses)
-    assert all(float(line["cross-replica MB per rank"]) > 0 for line in table)
+    assert all(float(line["cross-replica MB per rank"]) > 0 and float(line["training s"]) > 0 for line in table)
     assert all(name in (report / "jobs.md").read_text() for name in names)
     check_pngs(report / "loss.png", report / "tradeoff.png")
 
