@@ -185,6 +185,7 @@ class SGDConf:
     weight_decay: float = 0.0
     nesterov: bool = False
     fused: Optional[bool] = None  # null = fused kernels on CUDA, the class's default elsewhere
+    in_backward: bool = False  # step each parameter as soon as its gradient is ready (FSDP2 strategies)
 
 
 @dataclass
@@ -196,6 +197,7 @@ class AdamConf:
     eps: float = 1e-8
     weight_decay: float = 0.0
     fused: Optional[bool] = None  # null = fused kernels on CUDA, the class's default elsewhere
+    in_backward: bool = False  # step each parameter as soon as its gradient is ready (FSDP2 strategies)
 
 
 @dataclass

@@ -14,7 +14,7 @@ from harness.data import TokenStream, build_data
 from harness.dist import DistEnv
 from harness.mesh import build_mesh
 from harness.models import build_model
-from harness.optim import build_optimizer
+from harness.optim import StepInBackward, build_local_optimizer
 from harness.sharding import apply_sharding, compile_blocks
 
 
@@ -56,6 +56,12 @@ class Job:
     cross_replica: CrossReplica | None  # None when there is a single replica
     flops_per_token: float  # training FLOPs of the model per token, for train/mfu
 
+    @property
+    def steps_in_backward(self) -> bool:
+        """The local optimizer steps each parameter during backward (`optimizer.in_backward`)."""
+        optimizer = getattr(self.optimizer, "optim", self.optimizer)  # inside PostLocalSGDOptimizer
+        return isinstance(optimizer, StepInBackward)
+
     def checkpoint_parts(self) -> dict[str, Stateful]:
         """The stateful parts a checkpoint keeps next to model, optimizer and RNG states."""
         return {"data": self.data, "cross_replica": self.cross_replica or _NoState()}
@@ -69,7 +75,7 @@ def build_job(cfg: DictConfig, env: DistEnv) -> Job:
         compile_blocks(model)
     local_sgd = cfg.averager.get("_target_") is not None
     model = apply_sharding(model, mesh, cfg.sharding, env.device, cfg.train.seed, replicas_train_alone=local_sgd)
-    optimizer = build_optimizer(cfg.optimizer, model.parameters(), env.device)
+    optimizer = build_local_optimizer(cfg.optimizer, model.parameters(), env.device)
     optimizer, cross_replica = setup_cross_replica(model, optimizer, mesh, cfg.averager)
     return Job(model, optimizer, rank_data(cfg, env), mesh, cross_replica, flops_per_token)
 

@@ -97,16 +97,18 @@ def train(
         log_step = step == 1 or step % cfg.log_every == 0 or step == cfg.steps
         inputs, targets = job.data.next_batch()
         loss = model(inputs, targets)
+        if job.steps_in_backward:  # optimizer.in_backward: the parameters change during backward
+            checkpointer.wait_for_staging()
         loss.backward()
-        grad_norm = None
-        if cfg.grad_clip > 0 or log_step:  # the norm costs an all-reduce: only when clipping or logging
+        grad_norm = None  # the norm costs an all-reduce: only when clipping or logging (and gradients are kept)
+        if (cfg.grad_clip > 0 or log_step) and not job.steps_in_backward:
             grad_norm = clip_grad_norm_(model.parameters(), cfg.grad_clip)
         finite = finite_on_every_rank(loss, grad_norm)
         if finite:
             checkpointer.wait_for_staging()  # an async save copies the parameters before they change
             optimizer.step()  # with an averager: the local step, then maybe averaging across replicas
         else:
-            skip_nonfinite_step(cfg.nonfinite, step)  # raises unless train.nonfinite=skip
+            skip_nonfinite_step(cfg.nonfinite, step, job.steps_in_backward)  # raises unless train.nonfinite=skip
         optimizer.zero_grad(set_to_none=True)
         state.step = step
 
@@ -124,12 +126,13 @@ def train(
                 {
                     "train/loss": mean_loss,
                     "train/lr": optimizer.param_groups[0]["lr"],
-                    "train/grad_norm": grad_norm.item(),
                     "train/step_time_s": step_time,
                     "train/tokens_per_s": tokens_per_step / step_time,
                     **memory_metrics(env.device),
                 }
             )
+            if grad_norm is not None:
+                row["train/grad_norm"] = grad_norm.item()
             if peak is not None:  # model FLOPs achieved per device over its peak
                 row["train/mfu"] = row["train/tokens_per_s"] / env.world_size * job.flops_per_token / peak
             sink.log(row, step)
@@ -174,13 +177,18 @@ def finite_on_every_rank(loss: torch.Tensor, grad_norm: torch.Tensor | None) -> 
     return true_on_every_rank(finite)
 
 
-def skip_nonfinite_step(policy: str, step: int) -> None:
+def skip_nonfinite_step(policy: str, step: int, stepped_in_backward: bool) -> None:
     """`train.nonfinite=error` stops before the optimizer step (so no checkpoint
     holds the values); `skip` drops this step's gradients on every rank."""
     if policy == "error":
+        where = (
+            "stopped before averaging and saving (optimizer.in_backward: the step itself ran in backward)"
+            if stepped_in_backward
+            else "stopped before the optimizer step"
+        )
         raise NonFiniteLossError(
-            f"train: the loss or gradients are not finite (NaN/inf) at step {step}; stopped before the optimizer "
-            "step, so no checkpoint holds non-finite values. Fix: lower optimizer.lr, keep train.grad_clip > 0, "
-            "resume from the last checkpoint, or train.nonfinite=skip to skip such steps."
+            f"train: the loss or gradients are not finite (NaN/inf) at step {step}; {where}, so no checkpoint "
+            "holds non-finite values. Fix: lower optimizer.lr, keep train.grad_clip > 0, resume from the last "
+            "checkpoint, or train.nonfinite=skip to skip such steps."
         )
     log.warning("step %d: non-finite loss or gradients; skipped on every rank (train.nonfinite=skip)", step)

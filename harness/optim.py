@@ -1,7 +1,9 @@
 """The local optimizer, built from `cfg.optimizer` by Hydra's `instantiate`, and gradient clipping.
 
 Any `torch.optim` class is one YAML file away: `_target_` names the class,
-`_partial_: true` leaves the parameters to be filled in here.
+`_partial_: true` leaves the parameters to be filled in here. With
+`optimizer.in_backward=true` it is one optimizer per parameter, stepped during
+backward (`StepInBackward`).
 """
 
 from __future__ import annotations
@@ -9,20 +11,70 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch.distributed.tensor import DTensor
 
 from harness.dist import local_view
+
+HARNESS_KEYS = ("in_backward",)  # optimizer-group keys the harness reads, not the class's arguments
 
 
 def build_optimizer(cfg: DictConfig, params, device: torch.device) -> torch.optim.Optimizer:
     """The optimizer `cfg` names over `params`, which live on `device`.
     `fused: null` picks the fused kernels on CUDA (one launch for all
     parameters) and the class's own default elsewhere."""
-    overrides = {}
-    if "fused" in cfg and cfg.fused is None:
-        overrides["fused"] = True if device.type == "cuda" else None
-    return instantiate(cfg, _convert_="all", **overrides)(params)
+    spec = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k not in HARNESS_KEYS}
+    if "fused" in spec and spec["fused"] is None:
+        spec["fused"] = True if device.type == "cuda" else None
+    return instantiate(spec, _convert_="all")(params)
+
+
+def build_local_optimizer(cfg: DictConfig, params, device: torch.device):
+    """The local optimizer: one over all `params`, or `StepInBackward` with `optimizer.in_backward`."""
+    return StepInBackward(cfg, params, device) if cfg.get("in_backward") else build_optimizer(cfg, params, device)
+
+
+class StepInBackward:
+    """`optimizer.in_backward=true`: one optimizer per parameter, stepped from the
+    parameter's post-accumulate-grad hook, which FSDP2 runs on the sharded
+    parameter as soon as its gradient is reduced (after the warmup's
+    cross-replica all-reduce), and the gradient freed at once, so the whole
+    model's gradients never exist together (PyTorch's
+    `_apply_optimizer_in_backward`, torchtitan's optimizer in backward).
+
+    Stands in for the optimizer in the loop: `step` has nothing left to do
+    (PostLocalSGDOptimizer's averaging still follows it); `param_groups` is one
+    group over every parameter (the logged lr, the averager's parameters);
+    `optimizers` are the per-parameter ones, which
+    `torch.distributed.checkpoint.state_dict` saves and loads as one
+    FQN-keyed optimizer state dict.
+    """
+
+    def __init__(self, cfg: DictConfig, params, device: torch.device):
+        params = list(params)
+        self.optimizers = [build_optimizer(cfg, [p], device) for p in params]
+        self.param_groups = [{**self.optimizers[0].param_groups[0], "params": params}]
+        for p, optimizer in zip(params, self.optimizers):
+            p.register_post_accumulate_grad_hook(_step_and_free(optimizer))
+
+    @property
+    def state(self) -> dict:
+        return {p: o.state[p] for o in self.optimizers for p in o.param_groups[0]["params"] if p in o.state}
+
+    def step(self, closure=None) -> None:
+        """Every parameter was stepped in backward."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers:  # a parameter backward did not reach keeps no gradient either
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def _step_and_free(optimizer: torch.optim.Optimizer):
+    def hook(param: torch.Tensor) -> None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return hook
 
 
 @torch.no_grad()

@@ -25,6 +25,7 @@ from harness.config import EXTRA_KEYS, ConfigError, Strategy
 from harness.dist import resolve_device, under_torchrun
 from harness.mesh import mesh_shape
 from harness.models import build_model
+from harness.optim import HARNESS_KEYS
 
 
 def validate(cfg: DictConfig, world_size: int, gpus: int, local_world_size: int | None = None) -> None:
@@ -34,6 +35,7 @@ def validate(cfg: DictConfig, world_size: int, gpus: int, local_world_size: int 
     errors += _check_train(cfg, world_size, gpus, local_world_size or world_size)
     errors += _check_model_and_data(cfg)
     errors += _check_optimizer(cfg.optimizer)
+    errors += _check_in_backward(cfg)
     errors += _check_sharding_and_averager(cfg, world_size, local_world_size)
     errors += _check_checkpoint(cfg)
     if errors:
@@ -146,11 +148,18 @@ def _check_device(cfg: DictConfig, gpus: int, local_world_size: int) -> list[str
 
 
 def target_class(
-    node: DictConfig, group: str, base: type, base_name: str, runtime_args: tuple[str, ...], options: str
+    node: DictConfig,
+    group: str,
+    base: type,
+    base_name: str,
+    runtime_args: tuple[str, ...],
+    options: str,
+    harness_keys: tuple[str, ...] = (),
 ) -> tuple[type | None, list[str]]:
     """The class `<group>._target_` names, or the errors why it cannot be built from `node`:
     it must import, subclass `base`, and accept every key of `node` (the
-    `runtime_args` are filled in by the harness, not the config)."""
+    `runtime_args` are filled in by the harness, not the config; the
+    `harness_keys` are the harness's, not the class's)."""
     target = node.get("_target_")
     try:
         module, _, name = str(target).rpartition(".")
@@ -168,7 +177,7 @@ def target_class(
         f"{group}.{key}={node[key]!r} is not an argument of {target}. It accepts: {', '.join(accepted)}. "
         f"Fix: check the spelling of {group}.{key}."
         for key in node.keys()
-        if not str(key).startswith("_") and key not in accepted
+        if not str(key).startswith("_") and key not in accepted and key not in harness_keys
     ]
     return (None if errors else cls), errors
 
@@ -199,11 +208,40 @@ def _check_model_and_data(cfg: DictConfig) -> list[str]:
 
 def _check_optimizer(opt: DictConfig) -> list[str]:
     _, errors = target_class(
-        opt, "optimizer", torch.optim.Optimizer, "torch.optim.Optimizer", ("params",), "sgd|adam|adamw"
+        opt, "optimizer", torch.optim.Optimizer, "torch.optim.Optimizer", ("params",), "sgd|adam|adamw", HARNESS_KEYS
     )
     lr = opt.get("lr")
     if not isinstance(lr, (int, float)) or lr <= 0:
         errors.append(f"optimizer.lr={lr!r} must be a positive number. Fix: e.g. optimizer.lr=0.001.")
+    return errors
+
+
+def _check_in_backward(cfg: DictConfig) -> list[str]:
+    """optimizer.in_backward steps each parameter the moment its gradient is ready:
+    nothing may need all gradients first, and the gradient must be final there."""
+    if not cfg.optimizer.get("in_backward"):
+        return []
+    errors = []
+    if cfg.train.grad_clip > 0:
+        errors.append(
+            f"optimizer.in_backward=true with train.grad_clip={cfg.train.grad_clip}: clipping needs the norm of all "
+            "gradients before any parameter steps, but in backward each parameter steps as soon as its own gradient "
+            "is ready. Fix: train.grad_clip=0, or optimizer.in_backward=false."
+        )
+    if cfg.train.nonfinite == "skip":
+        errors.append(
+            "optimizer.in_backward=true with train.nonfinite=skip: a step can only be skipped before it is taken, "
+            "and in backward the parameters have stepped before the loss and gradients can be checked. "
+            "Fix: train.nonfinite=error (stops before averaging and saving), or optimizer.in_backward=false."
+        )
+    if cfg.sharding.strategy == Strategy.ddp:
+        errors.append(
+            "optimizer.in_backward=true with sharding=ddp: DDP all-reduces gradients after autograd has "
+            "accumulated them, so a per-parameter hook would step on the unreduced gradient, and PyTorch's own "
+            "in-backward path for DDP installs its own communication hook, which cannot be combined with the "
+            "averagers' hooks. Fix: an FSDP2 strategy (e.g. sharding=no_shard for DDP's layout), or "
+            "optimizer.in_backward=false."
+        )
     return errors
 
 

@@ -17,6 +17,7 @@ from torch.distributed.optim import PostLocalSGDOptimizer
 
 from harness.dist import local_view
 from harness.job import Job
+from harness.optim import StepInBackward
 
 
 @dataclass
@@ -50,19 +51,26 @@ def replica_layout(job: Job) -> Layout:
     )
 
 
-def inner_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The local optimizer: PostLocalSGDOptimizer cannot go through the state-dict
-    APIs (a fresh one fails in `step(closure=...)`, and its own `step` is dropped)."""
-    return optimizer.optim if isinstance(optimizer, PostLocalSGDOptimizer) else optimizer
+def inner_optimizer(optimizer) -> torch.optim.Optimizer | list[torch.optim.Optimizer]:
+    """What the state-dict APIs take for the local optimizer: PostLocalSGDOptimizer
+    cannot go through them (a fresh one fails in `step(closure=...)`, and its own
+    `step` is dropped), so its inner one; for `optimizer.in_backward` the list of
+    per-parameter optimizers, which they save and load as one FQN-keyed dict."""
+    optimizer = optimizer.optim if isinstance(optimizer, PostLocalSGDOptimizer) else optimizer
+    return optimizer.optimizers if isinstance(optimizer, StepInBackward) else optimizer
 
 
-def local_tensors(model: torch.nn.Module, optim: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """This rank's parameter shards and floating-point optimizer state, as in-place views."""
+def local_tensors(model: torch.nn.Module, optim) -> list[torch.Tensor]:
+    """This rank's parameter shards and floating-point optimizer state (`optim`:
+    what `inner_optimizer` returns), as in-place views."""
+    states = {}
+    for optimizer in optim if isinstance(optim, list) else [optim]:
+        states.update(optimizer.state)
     tensors = [local_view(p.data) for p in model.parameters()]
     for p in model.parameters():
         tensors += [
             local_view(v)
-            for v in optim.state.get(p, {}).values()
+            for v in states.get(p, {}).values()
             if torch.is_tensor(v) and v.is_floating_point() and v.dim() > 0
         ]
     return tensors

@@ -1,0 +1,57 @@
+"""`optimizer.in_backward=true` with real ranks: each parameter steps inside
+backward, bitwise like the normal step, with and without averaging, and its
+per-parameter optimizers checkpoint and resume exactly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from support import FAST, REPO, assert_bitwise_equal, check_ok, flat, run_cli, saved_state
+
+LAYOUTS = {
+    "2x1": ["launcher.nproc=2", "sharding=no_shard"],
+    "2x2": ["launcher.nproc=4", "sharding=hybrid_shard", "sharding.replicate=2"],
+}
+POST_LOCAL = ["averager=periodic", "averager.period=2", "averager.warmup_steps=3"]  # warmup, local steps, averaging
+CASES = {  # (optimizer, averaging) pairs per layout: SGD and AdamW, with and without averaging, on both layouts
+    "2x1": [("sgd", ["averager=none"]), ("adamw", POST_LOCAL)],
+    "2x2": [("adamw", ["averager=none"]), ("sgd", POST_LOCAL)],
+}
+
+
+def train(run_dir: Path, env: dict, *overrides: str) -> None:
+    check_ok(run_cli([*FAST, "train.grad_clip=0", f"hydra.run.dir={run_dir}", *overrides], env, REPO))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_in_backward_steps_bitwise_like_the_normal_step(layout, tmp_path, cli_env):
+    """Parameters and optimizer state after 8 steps: the per-parameter steps in
+    backward run the same single-tensor kernels on the same reduced gradients."""
+    for optimizer, averaging in CASES[layout]:
+        momentum = ["optimizer.momentum=0.9"] if optimizer == "sgd" else []  # so SGD has state to compare too
+        common = [*LAYOUTS[layout], f"optimizer={optimizer}", *momentum, *averaging, "checkpoint=full"]
+        states = []
+        for in_backward in ("false", "true"):
+            run = tmp_path / f"{optimizer}-{in_backward}"
+            train(run, cli_env, *common, f"optimizer.in_backward={in_backward}")
+            state = saved_state(run / "checkpoints" / "step_8", tmp_path)
+            states.append({"model": state["model"], "optim_state": state["optim"]["state"]})
+        assert_bitwise_equal(*states)
+        assert flat(states[0]["optim_state"]), "the optimizer state was compared"
+
+
+@pytest.mark.slow
+def test_in_backward_resumes_exactly(tmp_path, cli_env):
+    """Per-parameter optimizers saved as one FQN-keyed state dict: stopped at 5
+    (between averagings) and resumed to 8, everything saved at 8 equals an
+    uninterrupted run's, in sharded and in full mode."""
+    common = [*LAYOUTS["2x2"], "optimizer=adamw", "optimizer.in_backward=true", *POST_LOCAL]
+    train(tmp_path / "a", cli_env, *common, "checkpoint=sharded")
+    train(tmp_path / "b", cli_env, *common, "train.steps=5", "checkpoint=full")
+    train(tmp_path / "b", cli_env, *common, "checkpoint=sharded")
+    a, b = (saved_state(tmp_path / run / "checkpoints" / "step_8", tmp_path) for run in ("a", "b"))
+    assert_bitwise_equal(a, b)
+    assert len(a["optim"]["param_groups"]) == len(a["model"])  # one optimizer per parameter, keyed by FQN
