@@ -5,12 +5,17 @@ What is measured: the real CLI (`python train.py`) training a wide MLP LM
 clipping, as one FSDP2 rank (`sharding=full_shard launcher.nproc=1
 averager=none`), once with `optimizer.in_backward=false` and once with `true`,
 alternating for `--repeats` rounds (A B, B A, ...) to cancel drift. Per run,
-from its metrics.jsonl (`train.log_every=1`): the peak memory the harness
-logs - on CUDA `memory/cuda_max_allocated_gb` (`torch.cuda.max_memory_allocated`),
-on CPU `memory/max_rss_gb` (the process's peak resident set, `ru_maxrss`:
-everything the process touched, allocator slack included) - and the median
-`train/step_time_s` after the first `--skip` steps. Per round the in-backward
-run's figures are divided by the normal run's; the table gives each round and
+from its metrics.jsonl (`train.log_every=1`): the median `train/step_time_s`
+after the first `--skip` steps, and on CUDA the peak memory the harness logs,
+`memory/cuda_max_allocated_gb` (`torch.cuda.max_memory_allocated`). On CPU
+there is no allocator peak to read, and the process's peak RSS (`ru_maxrss`)
+swings by more than the gradients with glibc's heap, so the peak is measured
+by `torch.profiler` (`profile_memory=True`) in a separate run of the same loop
+(`harness.loop.train`, same config, one process): every allocation and free
+in steps `--skip`+1 ... `--skip`+3, in time order; the peak of their running
+sum is the step's peak above what was live when it started (parameters,
+optimizer state). Per round the in-backward run's figures are divided by (or,
+for memory, subtracted from) the normal run's; the table gives each round and
 the medians.
 
 Target (issue 13): peak memory lower by >= 80 % of the gradient bytes (4 bytes
@@ -46,8 +51,8 @@ def command(args: argparse.Namespace, in_backward: bool, run_dir: Path) -> list[
         f"optimizer.in_backward={str(in_backward).lower()}",
         "train.grad_clip=0",
         f"train.steps={args.steps}",
-        "train.batch_size=8",
-        "train.seq_len=64",
+        "train.batch_size=2",  # few activations: the peak is the step's, where the gradients are
+        "train.seq_len=32",
         "train.log_every=1",
         f"train.device={args.device}",
         "sharding=full_shard",
@@ -60,13 +65,58 @@ def command(args: argparse.Namespace, in_backward: bool, run_dir: Path) -> list[
 
 def measure(args: argparse.Namespace, in_backward: bool, run_dir: Path) -> tuple[float, float]:
     """(peak memory in bytes, median step seconds) of one run."""
-    done = subprocess.run(command(args, in_backward, run_dir), cwd=REPO, capture_output=True, text=True, timeout=900)
-    if done.returncode:
-        sys.exit(f"run failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    run(command(args, in_backward, run_dir))
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    key = "memory/cuda_max_allocated_gb" if args.device == "cuda" else "memory/max_rss_gb"
-    peak = max(r[key] for r in rows if key in r) * 2**30
-    return peak, statistics.median(r["train/step_time_s"] for r in rows[args.skip :])
+    step_s = statistics.median(r["train/step_time_s"] for r in rows[args.skip :])
+    if args.device == "cuda":
+        return max(r["memory/cuda_max_allocated_gb"] for r in rows if "train/loss" in r) * 2**30, step_s
+    child = [sys.executable, __file__, "--profile-child", str(in_backward), "--width", str(args.width)]
+    return float(run([*child, "--skip", str(args.skip)]).strip().splitlines()[-1]), step_s
+
+
+def run(cmd: list[str]) -> str:
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    if done.returncode:
+        sys.exit(f"run failed: {shlex.join(cmd)}\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    return done.stdout
+
+
+def profile_child(args: argparse.Namespace, in_backward: bool) -> None:
+    """Print the peak bytes allocated above the start of 3 profiled steps (CPU)."""
+    import torch
+    from hydra import compose, initialize_config_dir
+    from omegaconf import open_dict
+
+    sys.path.insert(0, str(REPO))
+    from harness.checkpoint import Checkpointer
+    from harness.config import register_configs
+    from harness.dist import init_distributed
+    from harness.job import build_job
+    from harness.loop import TrainState, train
+    from harness.metrics import MetricsSink
+
+    register_configs()
+    overrides = [o for o in command(args, in_backward, Path("."))[2:] if not o.startswith(("hydra.", "launcher."))]
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        cfg = compose("config", overrides=overrides)
+    env = init_distributed("cpu", 600, None)
+    job, state = build_job(cfg, env), TrainState()
+    with tempfile.TemporaryDirectory() as tmp:
+        sink = MetricsSink(Path(tmp), cfg.wandb, {}, enabled=False)
+        checkpointer = Checkpointer(cfg.checkpoint, Path(tmp), 0, env.device, {})
+        for steps, profiled in ((args.skip, False), (args.skip + 3, True)):
+            with open_dict(cfg):
+                cfg.train.steps = steps
+            if not profiled:
+                train(job, sink, cfg.train, env, state, checkpointer)
+                continue
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+                train(job, sink, cfg.train, env, state, checkpointer)
+    live = peak = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        live += event.self_cpu_memory_usage
+        peak = max(peak, live)
+    print(peak)
 
 
 def main() -> None:
@@ -76,11 +126,15 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=2, help="first steps left out of the step time (start-up)")
     parser.add_argument("--width", type=int, default=1024, help="model.d_model; hidden is 4x")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--profile-child", choices=("True", "False"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.profile_child:
+        profile_child(args, args.profile_child == "True")
+        return
     w, vocab = args.width, 256
     params = 2 * vocab * w + 4 * (2 * w + 2 * 4 * w * w + 5 * w) + 2 * w
     grad_bytes = 4 * params
-    memory = "torch.cuda.max_memory_allocated" if args.device == "cuda" else "peak RSS (ru_maxrss)"
+    memory = "torch.cuda.max_memory_allocated" if args.device == "cuda" else "torch.profiler's allocations"
     print(f"{params / 1e6:.1f}M parameters, gradients {grad_bytes / 2**20:.0f} MiB; peak memory = {memory}")
     print("command:", shlex.join(command(args, True, Path("<run>"))))
     rounds = []
