@@ -27,12 +27,12 @@ LOCAL_SGD = ["optimizer=adamw", "averager=periodic", "averager.period=3"]
 # warmup 2: averaging at steps 3, 6, 9, 12, so the replicas have diverged at step 7
 LAYOUTS = {
     "2x1": ["launcher.nproc=2", "sharding=no_shard", "averager.warmup_steps=2", *LOCAL_SGD],
-    "2x2": ["launcher.nproc=4", "sharding=hybrid_shard", "sharding.replicate=2", "averager.warmup_steps=2", *LOCAL_SGD],
     # DDP, 4 replicas: synchronous (4-rank gradient all-reduce) until step 8, then
     # post_localSGD_hook with averaging at 9 and 12
     "ddp4": ["launcher.nproc=4", "sharding=ddp", "averager.warmup_steps=8", *LOCAL_SGD],
-    # Streaming DiLoCo in bf16: fragment 0 syncs at 5 and 13, fragment 1 at 9, so at
-    # step 7 only fragment 0 has outer-optimizer state, and 10 and 12 fall between syncs
+    # 2 replicas x 2 shards (HSDP layout, per-replica copies of shards), with Streaming
+    # DiLoCo in bf16: fragment 0 syncs at 5 and 13, fragment 1 at 9, so at step 7 only
+    # fragment 0 has outer-optimizer state, and 10 and 12 fall between syncs
     "2x2-diloco": [
         "launcher.nproc=4",
         "sharding=hybrid_shard",

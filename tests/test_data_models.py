@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 from omegaconf import OmegaConf
 
@@ -73,7 +74,10 @@ def test_text_corpus_is_cached_once_and_windows_do_not_overlap(tmp_path):
     )
     source = TextTokens(**{k: v for k, v in cfg.items() if k != "_target_"}, vocab_size=256, seed=0)
     source.open()
-    assert len(source.tokens) == sum(os.path.getsize(p) for p in root.iterdir())
+    total = sum(os.path.getsize(p) for p in root.iterdir())
+    assert len(source.held_out) == int(total * 0.01) and len(source.tokens) + len(source.held_out) == total
+    corpus = np.concatenate([source.tokens, source.held_out])  # the held-out part is the corpus's end
+    assert corpus.tobytes() == b"".join(p.read_bytes() for p in sorted(root.iterdir()))
     [cached] = list((tmp_path / "cache").iterdir())
     mtime = cached.stat().st_mtime_ns
     source.open()
@@ -81,6 +85,9 @@ def test_text_corpus_is_cached_once_and_windows_do_not_overlap(tmp_path):
     s = build_data(cfg, 256, 4, 16, seed=0, rank=0, world_size=1, device=CPU)
     windows = torch.cat([s.next_batch()[0] for _ in range(10)])
     assert len({tuple(w.tolist()) for w in windows}) == 40  # 40 distinct windows of the stream
+    held_out = {tuple(w.tolist()) for k in range(4) for w in s.eval_batch(k)[0]}
+    assert held_out and not held_out & {tuple(w.tolist()) for w in windows}  # never trained on
+    assert torch.equal(s.eval_batch(0)[0], s.eval_batch(0)[0])  # the same batches every pass
 
 
 def test_default_text_corpus_is_the_standard_library_without_site_packages(tmp_path):
