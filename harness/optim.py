@@ -57,16 +57,11 @@ class StepInBackward:
         for p, optimizer in zip(params, self.optimizers):
             p.register_post_accumulate_grad_hook(_step_and_free(optimizer))
 
-    @property
-    def state(self) -> dict:
-        return {p: o.state[p] for o in self.optimizers for p in o.param_groups[0]["params"] if p in o.state}
-
     def step(self, closure=None) -> None:
         """Every parameter was stepped in backward."""
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for optimizer in self.optimizers:  # a parameter backward did not reach keeps no gradient either
-            optimizer.zero_grad(set_to_none=set_to_none)
+        """Every gradient was freed by its parameter's hook."""
 
 
 def _step_and_free(optimizer: torch.optim.Optimizer):
