@@ -13,7 +13,7 @@ before `exit_now`, which leaves through interpreter finalization (written to
 a temporary file in the repository root for the run, so Hydra finds conf/).
 Runs alternate new/old and torchrun/python to cancel drift.
 
-    python bench/exits.py [--runs 300] [--load 1] [--old]
+    python bench/exits.py [--runs 300] [--load 1] [--old [--old-every K]]
 """
 
 from __future__ import annotations
@@ -95,6 +95,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=300, help="runs per entry point (half torchrun, half python)")
     parser.add_argument("--load", type=int, default=1, help="busy processes competing for the cores")
     parser.add_argument("--old", action="store_true", help="also run the pre-fix entry point, side by side")
+    parser.add_argument("--old-every", type=int, default=1, help="with --old: run the old entry every K-th round")
     args = parser.parse_args()
     entries = {"train.py (exit_now)": REPO / "train.py"}
     old = None
@@ -111,7 +112,9 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="harness-exits-") as tmp:
             for i in range(args.runs):
                 for name, entry in entries.items():
-                    launcher = ("torchrun", "python")[i % 2]
+                    if entry == old and i % args.old_every:
+                        continue
+                    launcher = ("torchrun", "python")[(i // (args.old_every if entry == old else 1)) % 2]
                     code, out, seconds = run_once(entry, launcher, Path(tmp) / f"run{i}_{len(name)}")
                     key = (name, launcher)
                     c = counts.setdefault(key, Counter())
@@ -126,19 +129,26 @@ def main() -> None:
                             f"run {i} {name} {launcher}: exit {code}: {out.strip().splitlines()[-1][:200]}", flush=True
                         )
                 if (i + 1) % 20 == 0:
-                    print(f"{i + 1}/{args.runs} runs per entry point", flush=True)
+                    # The running table, so a run cut short still leaves its figures.
+                    print(f"\n{i + 1}/{args.runs} rounds, {args.load} busy process(es), {os.cpu_count()} cores")
+                    print_table(counts, times)
     finally:
         for hog in hogs:
             hog.terminate()
         if old is not None:
             old.unlink()
-    print(f"\n{args.runs} runs per entry point, {args.load} busy process(es), {os.cpu_count()} cores\n")
+    print(f"\nfinal: {args.runs} rounds, {args.load} busy process(es), {os.cpu_count()} cores")
+    print_table(counts, times)
+
+
+def print_table(counts: dict[tuple[str, str], Counter], times: dict[tuple[str, str], list[float]]) -> None:
     print(f"{'entry point':<28} {'launcher':<9} {'runs':>5} {'non-zero':>9} {'signals':<20} {'median s':>8}")
     for (name, launcher), c in sorted(counts.items()):
         signals = ", ".join(f"{k} {v}" for k, v in c.items() if k not in ("runs", "non-zero")) or "-"
         print(
             f"{name:<28} {launcher:<9} {c['runs']:>5} {c['non-zero']:>9} {signals:<20} "
-            f"{statistics.median(times[(name, launcher)]):>8.1f}"
+            f"{statistics.median(times[(name, launcher)]):>8.1f}",
+            flush=True,
         )
 
 
