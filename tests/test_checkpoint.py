@@ -139,52 +139,55 @@ def probe(ckpt: Path, out: Path, nproc: int, env: dict, *overrides: str) -> dict
 
 
 @pytest.mark.slow
-def test_sharded_checkpoint_reshards_exactly_and_training_continues(tmp_path, cli_env):
-    """Saved by 4 ranks full_shard; loaded into 2 ranks full_shard and 4 ranks
-    hybrid_shard (sharded) and into 2 ranks no_shard (full): the parameters are
-    exactly the saved ones."""
-    run = tmp_path / "run"
-    train(
-        run, cli_env, "launcher.nproc=4", "sharding=full_shard", "averager=none", "train.steps=4", "checkpoint=sharded"
-    )
-    step_dir = run / "checkpoints" / "step_4"
-    saved = saved_state(step_dir, tmp_path)["model"]
-    for nproc, layout in [(2, ["sharding=full_shard"]), (4, ["sharding=hybrid_shard", "sharding.replicate=2"])]:
-        got = probe(step_dir, tmp_path / f"probe{nproc}.pt", nproc, cli_env, "averager=none", *layout)
-        assert_bitwise_equal(got["model"], saved)
-        assert got["step"] == 4 and got["samples"] == 4 * 4 * 4  # the data position is global
-    full_run = tmp_path / "full"  # a full checkpoint loads into any layout too
-    train(
-        full_run,
-        cli_env,
-        "launcher.nproc=4",
-        "sharding=full_shard",
-        "averager=none",
-        "train.steps=4",
-        "checkpoint=full",
-    )
-    got = probe(
-        full_run / "checkpoints" / "step_4",
-        tmp_path / "probe_full.pt",
-        2,
-        cli_env,
-        "averager=none",
-        "sharding=no_shard",
-    )
-    assert_bitwise_equal(got["model"], saved_state(full_run / "checkpoints" / "step_4", tmp_path)["model"])
-    assert_bitwise_equal(got["model"], saved)  # and the two modes saved the same parameters
-    more = tmp_path / "more"  # and training goes on from there on 2 ranks
+def test_checkpoints_reshard_exactly_with_the_outer_state_and_training_continues(tmp_path, cli_env):
+    """Streaming DiLoCo saved by 2 replicas x 2 shards (sharded) loads into 2 x 1,
+    and saved by 2 x 1 (full) into 2 x 2: the parameters, θ_outer and the outer
+    optimizer state are exactly the saved ones, the data position is global, and
+    training goes on from the sharded one on the other layout. A checkpoint
+    without outer state (post-local SGD) starts θ_outer as the replicas' mean."""
+    diloco = ["averager=diloco", "averager.period=4", "averager.fragments=2", "averager.warmup_steps=2"]
+    hybrid = ["launcher.nproc=4", "sharding=hybrid_shard", "sharding.replicate=2"]
+    plain = ["launcher.nproc=2", "sharding=no_shard"]
+    for name, saved_by, mode, loaded_by, nproc in [
+        ("sharded", hybrid, "sharded", plain, 2),
+        ("full", plain, "full", hybrid, 4),
+    ]:
+        run = tmp_path / name
+        train(run, cli_env, *saved_by, *diloco, "train.steps=6", f"checkpoint={mode}")
+        step_dir = run / "checkpoints" / "step_6"
+        saved = saved_state(step_dir, tmp_path)
+        got = probe(step_dir, tmp_path / f"{name}.pt", nproc, cli_env, *loaded_by, *diloco)
+        assert_bitwise_equal(got["model"], saved["model"])
+        assert_bitwise_equal(got["parts"]["cross_replica"], saved["parts"]["cross_replica"])
+        outer = saved["parts"]["cross_replica"]
+        assert set(outer["optim_state"]) == set(outer["params"])  # both fragments have synced by step 6
+        assert got["step"] == 6 and got["samples"] == 6 * 4 * int(saved_by[0].split("=")[1])
+    more = tmp_path / "more"
     train(
         more,
         cli_env,
-        "launcher.nproc=2",
-        "sharding=full_shard",
-        "averager=none",
-        "train.steps=6",
+        *plain,
+        *diloco,
+        "train.steps=8",
         "checkpoint=sharded",
-        f"checkpoint.resume={step_dir}",
+        f"checkpoint.resume={tmp_path / 'sharded' / 'checkpoints' / 'step_6'}",
     )
-    assert sorted(loss_by_step(more)) == [5, 6] and steps_saved(more) == ["step_6"]
+    assert sorted(loss_by_step(more)) == [7, 8] and steps_saved(more) == ["step_8"]
+
+    train(
+        tmp_path / "periodic",
+        cli_env,
+        *plain,
+        "averager=periodic",
+        "averager.warmup_steps=2",
+        "train.steps=5",
+        "checkpoint=full",
+    )
+    step_dir = tmp_path / "periodic" / "checkpoints" / "step_5"
+    replicas = [torch.load(step_dir / f, weights_only=True)["model"] for f in ("full.pt", "replica_1.pt")]
+    got = probe(step_dir, tmp_path / "from_periodic.pt", 2, cli_env, *plain, *diloco)
+    for key, outer in got["parts"]["cross_replica"]["params"].items():
+        torch.testing.assert_close(outer, (replicas[0][key] + replicas[1][key]) / 2, rtol=0, atol=1e-7)
 
 
 @pytest.mark.slow
