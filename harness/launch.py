@@ -5,6 +5,7 @@ to itself. Before any rank starts, the config is checked (`check_config`)."""
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import socket
@@ -274,9 +275,24 @@ def last_logged_error(run_dir: Path) -> str:
 
 
 def rank_entrypoint(cfg: dict, run_dir: str) -> None:
-    """A locally started rank's process; must live in an importable module for the launcher."""
+    """A locally started rank's process; must live in an importable module for the launcher.
+
+    It leaves through `exit_now` like train.py. A forked rank already does
+    (multiprocessing ends it with `os._exit`), but a spawned one (CUDA) ends in
+    `sys.exit` and would finalize. It cannot leave here, before the launcher has
+    read its return value, so it leaves from an exit handler: the last one
+    registered runs first, before any object is torn down.
+    """
     setup_logging(Path(run_dir), int(os.environ["RANK"]))
-    train_or_exit(OmegaConf.create(cfg), Path(run_dir))
+    code: int | str | None = 1  # an exception: multiprocessing's exit code for it
+    try:
+        train_or_exit(OmegaConf.create(cfg), Path(run_dir))
+        code = 0
+    except SystemExit as e:
+        code = e.code
+        raise
+    finally:
+        atexit.register(exit_now, code)
 
 
 def train_or_exit(cfg: DictConfig, run_dir: Path) -> None:

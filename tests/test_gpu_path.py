@@ -6,6 +6,7 @@ the same paths on a GPU when one is present."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -118,14 +119,28 @@ def test_one_stager_stages_three_times_into_the_same_buffers(shim, monkeypatch):
 @pytest.mark.slow
 def test_spawned_ranks_train_like_forked_ones(tmp_path, cli_env):
     """`launcher.start_method=spawn` (what auto picks for CUDA ranks) runs the
-    same job as fork: fresh interpreters, same losses."""
+    same job as fork: fresh interpreters, same losses. No process of the job
+    (launcher or rank) goes through interpreter finalization, where a gloo
+    thread aborts now and then: a `sitecustomize` on the children's path
+    registers the first exit handler, which runs last and only if finalization
+    happens, and records the process's argv."""
+    finalized = tmp_path / "finalized.txt"
+    hook = tmp_path / "site"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        f"import atexit, sys\natexit.register(lambda: open({str(finalized)!r}, 'a').write(repr(sys.argv) + '\\n'))\n"
+    )
+    env = {**cli_env, "PYTHONPATH": os.pathsep.join(filter(None, [str(hook), cli_env.get("PYTHONPATH")]))}
     runs = {}
     for method in ("fork", "spawn"):
-        proc = run_cli([*FAST, f"launcher.start_method={method}", f"hydra.run.dir={method}"], cli_env, tmp_path)
+        proc = run_cli([*FAST, f"launcher.start_method={method}", f"hydra.run.dir={method}"], env, tmp_path)
         check_ok(proc)
         assert f"starting 2 local ranks ({method};" in proc.stdout
         runs[method] = losses(tmp_path / method)
     assert runs["spawn"] == runs["fork"]
+    lines = finalized.read_text().splitlines() if finalized.exists() else []
+    jobs = [line for line in lines if "train.py" in line or "multiprocessing" in line]
+    assert jobs == [], f"finalized: {jobs}"
 
 
 def logged_losses(run_dir, after: int = 0) -> list[float]:
