@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "train.py"
@@ -83,19 +84,10 @@ def saved_state(step_dir: Path, tmp_path: Path) -> dict:
     if (step_dir / "full.pt").exists():
         state = torch.load(step_dir / "full.pt", weights_only=True)
     else:
+        # the converter behind `python -m torch.distributed.checkpoint.format_utils dcp_to_torch`,
+        # called in-process: a subprocess per read cost a torch import (~4 s of CPU) each time
         out = tmp_path / f"{step_dir.parent.parent.name}_{step_dir.name}.pt"
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.checkpoint.format_utils",
-                "dcp_to_torch",
-                str(step_dir),
-                str(out),
-            ],
-            check=True,
-            capture_output=True,
-        )
+        dcp_to_torch_save(step_dir, out)
         state = torch.load(out, weights_only=False)
     return {**state, "rng": torch.load(step_dir / "rng.pt", weights_only=True)}
 
