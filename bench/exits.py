@@ -112,9 +112,12 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="harness-exits-") as tmp:
             for i in range(args.runs):
                 for name, entry in entries.items():
-                    if entry == old and i % args.old_every:
-                        continue
-                    launcher = ("torchrun", "python")[(i // (args.old_every if entry == old else 1)) % 2]
+                    turn = i
+                    if entry == old:
+                        if i % args.old_every:
+                            continue
+                        turn = i // args.old_every  # its own runs alternate launchers too
+                    launcher = ("torchrun", "python")[turn % 2]
                     code, out, seconds = run_once(entry, launcher, Path(tmp) / f"run{i}_{len(name)}")
                     key = (name, launcher)
                     c = counts.setdefault(key, Counter())
