@@ -39,6 +39,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.optim import PostLocalSGDOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
+from harness import metrics
 from harness.dist import local_view, synchronize
 
 BUCKET_BYTES = 64 * 2**20  # cap on one flat all-reduce buffer
@@ -62,12 +63,14 @@ class CrossReplicaTraffic:
         """This step's figures, then reset for the next step."""
         self.total_bytes += self.grad_sync_bytes + self.averaging_bytes
         row = {
-            "comm/grad_sync_bytes": self.grad_sync_bytes,
-            "comm/averaging_bytes": self.averaging_bytes,
-            "comm/cross_replica_bytes_total": self.total_bytes,
+            metrics.COMM_GRAD_SYNC_BYTES: self.grad_sync_bytes,
+            metrics.COMM_AVERAGING_BYTES: self.averaging_bytes,
+            metrics.COMM_TOTAL_BYTES: self.total_bytes,
         }
         if averager_step is not None:
-            row.update({"averager/averaged": int(self.averaged is not None), "averager/step": averager_step})
+            row.update(
+                {metrics.AVERAGER_AVERAGED: int(self.averaged is not None), metrics.AVERAGER_STEP: averager_step}
+            )
             row.update(self.averaged or {})
         self.grad_sync_bytes = self.averaging_bytes = 0
         self.averaged = None
@@ -112,7 +115,7 @@ class ReplicaAverager(ModelAverager):
         group = self.group_to_average()
         if group is not None:
             time_s, self.traffic.averaging_bytes, drift = average_local_shards(params, group, self.comm_dtype)
-            self.traffic.averaged = {"averager/drift": drift, "averager/time_s": time_s}
+            self.traffic.averaged = {metrics.AVERAGER_DRIFT: drift, metrics.AVERAGER_TIME: time_s}
         self.step += 1
 
 

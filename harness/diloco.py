@@ -32,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from harness import metrics
 from harness.averaging import CrossReplicaTraffic, ReplicaAverager, buckets, mean_over_group
 from harness.dist import local_view, synchronize
 from harness.optim import build_optimizer
@@ -169,11 +170,11 @@ class DiLoCoAverager(ReplicaAverager):
         replicas = self.process_group.size()
         self.traffic.averaging_bytes = nbytes
         self.traffic.averaged = {
-            "averager/drift": (sums[0] / sums[1].clamp_min(1e-30)).sqrt().item(),
-            "averager/time_s": elapsed,
-            "averager/pseudo_grad_norm": (sums[2] / replicas).sqrt().item(),
-            "averager/outer_lr": self.outer_optimizer.param_groups[0]["lr"],
-            "averager/fragment": fragment,
+            metrics.AVERAGER_DRIFT: (sums[0] / sums[1].clamp_min(1e-30)).sqrt().item(),
+            metrics.AVERAGER_TIME: elapsed,
+            metrics.AVERAGER_PSEUDO_GRAD_NORM: (sums[2] / replicas).sqrt().item(),
+            metrics.AVERAGER_OUTER_LR: self.outer_optimizer.param_groups[0]["lr"],
+            metrics.AVERAGER_FRAGMENT: fragment,
         }
 
     # -- checkpoint part (through CrossReplica) ------------------------------------

@@ -1,157 +1,143 @@
-"""The metrics sink: every logged row goes to `metrics.jsonl` and to W&B.
+"""Every metric the harness logs, declared once: its name, unit, when it is
+logged and what it means.
 
-Only rank 0 writes; other ranks get a sink whose `log` does nothing. W&B runs
-offline by default inside the run dir; `WANDB_MODE` in the environment wins
-over `wandb.mode`. W&B trouble (no network, no key, unwritable dir) warns once
-and falls back - offline, then disabled - and never stops training.
+A `Metric` is its own name (a `str`), so rows are plain dicts keyed by these
+constants: `row[TRAIN_LOSS] = loss`. The sinks refuse a name that is not
+declared here (`check_declared`), W&B's `define_metric` calls, the report's
+columns and the table in docs/outputs.md (`python -m harness.metrics`; a test
+compares) all read `METRICS`. Pure: no torch, so `harness.report` stays light.
 """
 
 from __future__ import annotations
 
-import functools
-import json
-import logging
-import os
-import resource
-from pathlib import Path
 
-import torch
-from omegaconf import OmegaConf
+class Metric(str):
+    """A metric name with its declaration."""
 
-from harness.config import WandbConf
+    unit: str
+    when: str
+    meaning: str
+    summary: str | None  # W&B's run summary for it ("min", "max", "last"); None: W&B's default (last)
 
-log = logging.getLogger(__name__)
+    def __new__(cls, name: str, unit: str, when: str, meaning: str, summary: str | None = None) -> Metric:
+        metric = super().__new__(cls, name)
+        metric.unit, metric.when, metric.meaning, metric.summary = unit, when, meaning, summary
+        return metric
 
-
-class MetricsSink:
-    def __init__(self, run_dir: Path, settings: WandbConf, config: dict, enabled: bool):
-        """`config`: the resolved run config as plain values (W&B's run config)."""
-        self.rows = open(run_dir / "metrics.jsonl", "a", encoding="utf-8") if enabled else None
-        overrides = run_dir / ".hydra" / "overrides.yaml"
-        if enabled and overrides.exists():  # the command line's overrides, to filter runs by in W&B's table
-            config = {**config, "overrides": OmegaConf.to_container(OmegaConf.load(overrides))}
-        self.wandb_run = _start_wandb(run_dir, settings, config) if enabled else None
-
-    def log(self, row: dict[str, float], step: int) -> None:
-        """One row for `step`; steps must increase (W&B drops lower ones)."""
-        if self.rows is None:
-            return
-        row = {"train/step": step, **row}
-        self.rows.write(json.dumps({"step": step, **row}) + "\n")
-        self.rows.flush()
-        if self.wandb_run is not None:
-            self.wandb_run.log(row, step=step)
-
-    def rewind(self, step: int) -> None:
-        """Drop `metrics.jsonl` rows after `step` (a resumed run logs those steps
-        again, identically), so the file's x-axis stays strictly ordered. A new
-        W&B run starts at `step` anyway."""
-        if self.rows is None:
-            return
-        path = Path(self.rows.name)
-        self.rows.close()
-        kept = [line for line in path.read_text().splitlines(keepends=True) if _step_of(line) <= step]
-        tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(kept))
-        os.replace(tmp, path)
-        self.rows = open(path, "a", encoding="utf-8")
-
-    def close(self) -> None:
-        if self.rows is not None:
-            self.rows.close()
-            self.rows = None
-        if self.wandb_run is not None:
-            import wandb
-
-            self.wandb_run.finish()
-            # finish() can return before wandb-core has flushed and closed the
-            # run file (seen under load: a .wandb file with only its header);
-            # teardown waits for wandb-core to exit, so the files are complete.
-            wandb.teardown()
-            self.wandb_run = None
+    @property
+    def section(self) -> str:
+        """The dashboard section: the part before the slash."""
+        return self.split("/", 1)[0]
 
 
-def _step_of(line: str) -> float:
-    """A row's step; a line cut short by a killed process counts as past every step."""
-    try:
-        return json.loads(line)["step"]
-    except (ValueError, KeyError):
-        return float("inf")
+LOG = "log steps (1, every `train.log_every`, the last)"
+ROW = "every logged row"
+AVERAGING = "log steps and averaging steps, with an averager"
+SYNC = "averaging (DiLoCo: sync) steps"
+REPLICAS = "every logged row, with several replicas"
+SAVE = "each checkpoint save"
+ASYNC_DONE = "the step an async save became durable"
+RESUME = "the step a run resumed from"
+
+TRAIN_STEP = Metric("train/step", "step", ROW, "the optimizer step: the x-axis of every other metric")
+TRAIN_LOSS = Metric("train/loss", "nats", LOG, "next-token cross-entropy, mean over ranks", "min")
+TRAIN_LR = Metric("train/lr", "", LOG, "the local optimizer's learning rate")
+TRAIN_GRAD_NORM = Metric(
+    "train/grad_norm", "", LOG, "global L2 norm of the gradients before clipping (not with `optimizer.in_backward`)"
+)
+TRAIN_STEP_TIME = Metric("train/step_time_s", "s", LOG, "wall time per step, mean since the previous log step")
+TRAIN_TOKENS_PER_S = Metric("train/tokens_per_s", "tokens/s", LOG, "tokens trained per second, all ranks together")
+TRAIN_MFU = Metric(
+    "train/mfu",
+    "",
+    LOG + ", when the device's peak is known",
+    "model FLOPs utilisation per device: tokens/s per device × FLOPs/token over the peak "
+    "(`train.peak_tflops` or `harness.throughput.PEAK_TFLOPS`)",
+)
+TRAIN_SKIPPED_NONFINITE = Metric(
+    "train/skipped_nonfinite", "", "a step dropped under `train.nonfinite=skip`", "1: this step's update was skipped"
+)
+EVAL_LOSS = Metric(
+    "eval/loss",
+    "nats",
+    "every `train.eval_every` steps and the last",
+    "held-out cross-entropy, mean over ranks (between averagings: over the replicas, each scored on the same batches)",
+    "min",
+)
+MEMORY_MAX_RSS = Metric("memory/max_rss_gb", "GiB", LOG + " (CPU)", "peak resident memory of rank 0's process")
+MEMORY_CUDA_MAX = Metric(
+    "memory/cuda_max_allocated_gb", "GiB", LOG + " (CUDA)", "peak memory allocated by torch on rank 0's GPU"
+)
+COMM_GRAD_SYNC_BYTES = Metric(
+    "comm/grad_sync_bytes", "bytes", REPLICAS, "gradient bytes this rank all-reduced across replicas this step"
+)
+COMM_AVERAGING_BYTES = Metric(
+    "comm/averaging_bytes",
+    "bytes",
+    REPLICAS,
+    "parameter (DiLoCo: pseudo-gradient) bytes this rank sent into cross-replica averaging this step, in `comm_dtype`",
+)
+COMM_TOTAL_BYTES = Metric(
+    "comm/cross_replica_bytes_total", "bytes", REPLICAS, "running total of this rank's cross-replica bytes"
+)
+AVERAGER_AVERAGED = Metric("averager/averaged", "", AVERAGING, "1 on steps that averaged (or synced), else 0")
+AVERAGER_STEP = Metric("averager/step", "step", AVERAGING, "the averager's own step counter")
+AVERAGER_DRIFT = Metric(
+    "averager/drift",
+    "",
+    SYNC,
+    "how far the replicas had drifted apart just before averaging: sqrt(Σ‖x_r − x̄‖² / Σ‖x̄‖²) over all local shards",
+)
+AVERAGER_TIME = Metric("averager/time_s", "s", SYNC, "wall time of the averaging collectives")
+AVERAGER_PSEUDO_GRAD_NORM = Metric(
+    "averager/pseudo_grad_norm", "", SYNC + " (DiLoCo)", "‖mean Δ‖ over the synced fragment, all ranks' shards"
+)
+AVERAGER_OUTER_LR = Metric("averager/outer_lr", "", SYNC + " (DiLoCo)", "the outer optimizer's learning rate")
+AVERAGER_FRAGMENT = Metric(
+    "averager/fragment", "", SYNC + " (DiLoCo)", "the fragment synced (0 without `averager.fragments`)"
+)
+CHECKPOINT_MODE = Metric(
+    "checkpoint/mode", "", SAVE, "`checkpoint.mode` (`full` or `sharded`), as meta.json records it"
+)
+CHECKPOINT_STATE_DICT = Metric(
+    "checkpoint/state_dict_s", "s", SAVE, "gathering the state dicts and staging the payload"
+)
+CHECKPOINT_SAVE = Metric("checkpoint/save_s", "s", SAVE, "time training was blocked by the save")
+CHECKPOINT_WRITE = Metric(
+    "checkpoint/write_s",
+    "s",
+    f"{SAVE} (sync); {ASYNC_DONE} (async)",
+    "sync: writing after the state dicts until committed (`save_s − state_dict_s`); async: from the save's start "
+    "until committed",
+)
+CHECKPOINT_STAGING_WAIT = Metric(
+    "checkpoint/staging_wait_s", "s", ASYNC_DONE, "time the loop waited for an async save's host copy"
+)
+CHECKPOINT_BYTES = Metric("checkpoint/bytes", "bytes", "each commit", "size of the committed checkpoint on disk")
+CHECKPOINT_LOAD = Metric("checkpoint/load_s", "s", RESUME, "loading the checkpoint, everything included")
+CHECKPOINT_SET_STATE_DICT = Metric(
+    "checkpoint/set_state_dict_s", "s", RESUME, "setting the loaded state dicts into model and optimizer"
+)
+RUN_RESUMED_FROM = Metric("run/resumed_from_step", "step", RESUME, "the checkpoint's step")
+RUN_RESTARTS = Metric("run/restarts", "", RESUME, "torchrun's restart count of this run")
+
+METRICS: dict[str, Metric] = {m: m for m in list(globals().values()) if isinstance(m, Metric)}  # in declaration order
 
 
-def _start_wandb(run_dir: Path, settings: WandbConf, config: dict):
-    import wandb
-
-    requested = os.environ.get("WANDB_MODE") or str(settings.mode)
-    for mode in dict.fromkeys([requested, "offline"]):  # requested first, then the offline fallback
-        if mode == "disabled":
-            return None
-        try:
-            run = wandb.init(
-                mode=mode,
-                dir=str(run_dir),
-                project=settings.project,
-                entity=settings.entity,
-                group=settings.group,
-                name=settings.name,
-                tags=list(settings.tags),
-                config=config,
-                settings=wandb.Settings(silent=True, console="off", init_timeout=settings.init_timeout_s),
-            )
-        except Exception as e:  # wandb raises many types (UsageError, CommError, OSError, ...)
-            log.warning(
-                "W&B mode=%s failed (%s: %s); %s",
-                mode,
-                type(e).__name__,
-                str(e).splitlines()[0] if str(e) else "",
-                "falling back to offline" if mode != "offline" else "continuing without W&B",
-            )
-            continue
-        run.define_metric("train/step")
-        run.define_metric("*", step_metric="train/step")
-        log.info("W&B run %s (%s) in %s", run.id, mode, run.dir)
-        return run
-    return None
+def check_declared(row: dict) -> None:
+    """Refuse a row with a name no `Metric` declares: every name is declared here."""
+    unknown = [key for key in row if key not in METRICS]
+    if unknown:
+        raise KeyError(f"metrics {unknown} are not declared in harness.metrics; declare each as a Metric there")
 
 
-# Peak dense bf16 FLOP/s of one device (vendor datasheets, as torchtitan's
-# get_peak_flops), matched by substring of the CUDA device name, first match wins.
-PEAK_TFLOPS = {
-    "H100 NVL": 835.0,
-    "H100 PCIe": 756.0,
-    "H100": 989.0,
-    "H200": 989.0,
-    "H800": 989.0,
-    "B200": 2250.0,
-    "A100": 312.0,
-    "A800": 312.0,
-    "L40S": 362.0,
-    "L40": 181.0,
-    "L4": 121.0,
-    "A10G": 70.0,
-    "A10": 125.0,
-}
+def markdown_table() -> str:
+    """The metrics table of docs/outputs.md."""
+    lines = ["| metric | unit | logged on | meaning |", "|---|---|---|---|"]
+    for m in METRICS.values():
+        lines.append(f"| `{m}` | {m.unit or '–'} | {m.when} | {m.meaning} |")
+    return "\n".join(lines) + "\n"
 
 
-@functools.cache  # the loop asks once per `train` call; an unknown GPU is reported once
-def peak_flops(device: torch.device, configured_tflops: float | None) -> float | None:
-    """One device's peak FLOP/s for MFU: `train.peak_tflops`, else the GPU's
-    entry in PEAK_TFLOPS; None (no MFU) on CPU or an unknown GPU."""
-    if configured_tflops is not None:
-        return configured_tflops * 1e12
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    tflops = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
-    if tflops is None:
-        log.warning(
-            "no peak FLOP/s known for %r: train/mfu is not logged. Fix: train.peak_tflops=<its dense bf16 TFLOP/s>",
-            name,
-        )
-    return tflops * 1e12 if tflops is not None else None
-
-
-def memory_metrics(device: torch.device) -> dict[str, float]:
-    if device.type == "cuda":
-        return {"memory/cuda_max_allocated_gb": torch.cuda.max_memory_allocated(device) / 2**30}
-    return {"memory/max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}  # KiB on Linux
+if __name__ == "__main__":
+    print(markdown_table(), end="")

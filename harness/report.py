@@ -26,16 +26,17 @@ matplotlib.use("Agg")  # files only; never a window
 import matplotlib.pyplot as plt  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
+from harness import metrics  # noqa: E402
 from harness.sweep import RESULT_FILE  # noqa: E402
 
 # checkpoint metric -> bar label
 TIMINGS = {
-    "checkpoint/state_dict_s": "state dict",
-    "checkpoint/save_s": "save (training blocked)",
-    "checkpoint/write_s": "write (until durable)",
-    "checkpoint/staging_wait_s": "async staging wait",
-    "checkpoint/load_s": "load (resume)",
-    "checkpoint/set_state_dict_s": "set state dict (resume)",
+    metrics.CHECKPOINT_STATE_DICT: "state dict",
+    metrics.CHECKPOINT_SAVE: "save (training blocked)",
+    metrics.CHECKPOINT_WRITE: "write (until durable)",
+    metrics.CHECKPOINT_STAGING_WAIT: "async staging wait",
+    metrics.CHECKPOINT_LOAD: "load (resume)",
+    metrics.CHECKPOINT_SET_STATE_DICT: "set state dict (resume)",
 }
 
 
@@ -57,10 +58,10 @@ class Run:
 
 
 def read_run(path: Path) -> Run:
-    metrics = path / "metrics.jsonl"
+    metrics_file = path / "metrics.jsonl"
     rows = []
-    if metrics.exists():
-        for line in metrics.read_text().splitlines():
+    if metrics_file.exists():
+        for line in metrics_file.read_text().splitlines():
             try:
                 rows.append(json.loads(line))
             except ValueError:  # a line cut short by a killed job
@@ -85,21 +86,21 @@ def status(run: Run) -> str:
 
 def summarize(run: Run) -> dict:
     """One table line: what a comparison of runs looks at."""
-    tokens = run.series("train/tokens_per_s")[1][1:]  # step 1's time includes start-up
-    saves, loads = run.series("checkpoint/save_s")[1], run.series("checkpoint/load_s")[1]
-    drift = run.series("averager/drift")[1]
-    total_bytes = run.last("comm/cross_replica_bytes_total")
+    tokens = run.series(metrics.TRAIN_TOKENS_PER_S)[1][1:]  # step 1's time includes start-up
+    saves, loads = run.series(metrics.CHECKPOINT_SAVE)[1], run.series(metrics.CHECKPOINT_LOAD)[1]
+    drift = run.series(metrics.AVERAGER_DRIFT)[1]
+    total_bytes = run.last(metrics.COMM_TOTAL_BYTES)
     return {
         "job": run.result["job"] if run.result else "",
         "name": run.name,
         "status": status(run),
         "steps": run.rows[-1]["step"] if run.rows else 0,
-        "final loss": _round(run.last("train/loss"), 4),
-        "eval loss": _round(run.last("eval/loss"), 4),
+        "final loss": _round(run.last(metrics.TRAIN_LOSS), 4),
+        "eval loss": _round(run.last(metrics.EVAL_LOSS), 4),
         "training s": _round(training_seconds(run), 1),
         "tokens/s (median)": _round(statistics.median(tokens), 0) if tokens else None,
         "cross-replica MB per rank": _round(total_bytes / 1e6, 3) if total_bytes is not None else None,
-        "averaging steps": sum(1 for row in run.rows if row.get("averager/averaged")),
+        "averaging steps": sum(1 for row in run.rows if row.get(metrics.AVERAGER_AVERAGED)),
         "mean drift": _round(statistics.fmean(drift), 6) if drift else None,
         "checkpoint saves": len(saves),
         "checkpoint save s (total blocked)": _round(sum(saves), 3) if saves else None,
@@ -112,8 +113,8 @@ def training_seconds(run: Run) -> float | None:
     """Time spent in the loop: each logged `train/step_time_s` is the mean since the previous log."""
     total, previous = 0.0, 0
     for row in run.rows:
-        if row.get("train/step_time_s") is not None:
-            total += row["train/step_time_s"] * (row["step"] - previous)
+        if row.get(metrics.TRAIN_STEP_TIME) is not None:
+            total += row[metrics.TRAIN_STEP_TIME] * (row["step"] - previous)
             previous = row["step"]
     return total if previous else None
 
@@ -145,9 +146,9 @@ def plot_run(run: Run, path: Path) -> None:
     (ax_loss, ax_drift), (ax_speed, ax_ckpt) = axes
     fig.suptitle(f"{run.name}: {describe(run.config)}" if run.config else run.name, fontsize=11)
 
-    steps, loss = run.series("train/loss")
+    steps, loss = run.series(metrics.TRAIN_LOSS)
     ax_loss.plot(steps, loss, marker=".", label="train/loss (mean over ranks)")
-    averaged = [row["step"] for row in run.rows if row.get("averager/averaged")]
+    averaged = [row["step"] for row in run.rows if row.get(metrics.AVERAGER_AVERAGED)]
     for i, step in enumerate(averaged):
         ax_loss.axvline(step, color="tab:orange", alpha=0.35, lw=0.8, label="averaging step" if i == 0 else None)
     warmup = (run.config.get("averager") or {}).get("warmup_steps")
@@ -155,16 +156,16 @@ def plot_run(run: Run, path: Path) -> None:
         ax_loss.axvspan(0, warmup, color="grey", alpha=0.12, label=f"synchronous warmup ({warmup} steps)")
     _labels(ax_loss, "Training loss, averaging steps marked", "step", "loss (cross-entropy, nats)")
 
-    steps, drift = run.series("averager/drift")
+    steps, drift = run.series(metrics.AVERAGER_DRIFT)
     if drift:
-        ax_drift.plot(steps, drift, marker="o", ms=3, color="tab:orange", label="averager/drift")
+        ax_drift.plot(steps, drift, marker="o", ms=3, color="tab:orange", label=metrics.AVERAGER_DRIFT)
         _labels(
             ax_drift, "Replica drift just before each averaging step", "step", "relative RMS distance from the mean"
         )
     else:
         _empty(ax_drift, "Replica drift", "no averaging steps in this run")
 
-    steps, speed = run.series("train/tokens_per_s")
+    steps, speed = run.series(metrics.TRAIN_TOKENS_PER_S)
     ax_speed.plot(steps, speed, marker=".", color="tab:green", label="train/tokens_per_s (all ranks)")
     ax_speed.set_ylim(bottom=0)
     _labels(ax_speed, "Throughput", "step", "tokens / s")
@@ -226,7 +227,7 @@ def _empty(ax, title: str, text: str) -> None:
 def plot_sweep_loss(runs: list[Run], path: Path, title: str, colors: dict[str, str]) -> None:
     fig, ax = plt.subplots(figsize=(10, 6))
     for run in runs:
-        steps, loss = run.series("train/loss")
+        steps, loss = run.series(metrics.TRAIN_LOSS)
         failed = status(run) != "completed"
         ax.plot(
             steps,

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
+from harness import metrics
 from harness.checkpoint.files import RNG_FILE, CheckpointError, commit, read_meta, remove_leftovers
 from harness.checkpoint.full import FullMode
 from harness.checkpoint.replicas import inner_optimizer, load_mean_of_copies, local_tensors, replica_layout
@@ -102,11 +103,11 @@ class Checkpointer:
         dist.gather_object(rng_state(), rngs, dst=0)
         payload = self.mode.stage(*get_state_dict(job.model, inner_optimizer(job.optimizer)), part_tensors, layout)
         synchronize(self.device)
-        timings = {"checkpoint/state_dict_s": time.perf_counter() - start, "checkpoint/mode": self.mode.name}
+        timings = {metrics.CHECKPOINT_STATE_DICT: time.perf_counter() - start, metrics.CHECKPOINT_MODE: self.cfg.mode}
         if self.async_save:
             staged, written = self.mode.start(payload, partial)
             self.pending = PendingSave(staged, written, partial, meta, rngs, start)
-            return {**row, **timings, "checkpoint/save_s": time.perf_counter() - start}
+            return {**row, **timings, metrics.CHECKPOINT_SAVE: time.perf_counter() - start}
         with _writing(step, partial):
             self.mode.write(payload, layout, partial)
         dist.barrier()  # every rank's part is on disk
@@ -115,8 +116,8 @@ class Checkpointer:
         return {
             **row,
             **timings,
-            "checkpoint/save_s": save_s,
-            "checkpoint/write_s": save_s - timings["checkpoint/state_dict_s"],
+            metrics.CHECKPOINT_SAVE: save_s,
+            metrics.CHECKPOINT_WRITE: save_s - timings[metrics.CHECKPOINT_STATE_DICT],
             **written,
         }
 
@@ -138,8 +139,8 @@ class Checkpointer:
         # files are written, so when rank 0's future is done the checkpoint is.
         written = self._commit(pending.partial, pending.meta, pending.rngs)
         return {
-            "checkpoint/write_s": time.perf_counter() - pending.started,
-            "checkpoint/staging_wait_s": pending.staging_wait_s,
+            metrics.CHECKPOINT_WRITE: time.perf_counter() - pending.started,
+            metrics.CHECKPOINT_STAGING_WAIT: pending.staging_wait_s,
             **written,
         }
 
@@ -175,7 +176,7 @@ class Checkpointer:
         if self.rank != 0:
             return {}
         with _writing(meta["step"], partial):
-            return {"checkpoint/bytes": commit(partial, meta, rngs, self.cfg.keep)}
+            return {metrics.CHECKPOINT_BYTES: commit(partial, meta, rngs, self.cfg.keep)}
 
 
 def load(path: Path, job: Job, rank: int) -> tuple[dict, dict]:
@@ -220,7 +221,7 @@ def load(path: Path, job: Job, rank: int) -> tuple[dict, dict]:
     for name in templates:
         parts[name].load_tensor_state_dict(saved.get(name))
     synchronize(job.data.device)
-    return meta, {"checkpoint/load_s": time.perf_counter() - start, "checkpoint/set_state_dict_s": set_s}
+    return meta, {metrics.CHECKPOINT_LOAD: time.perf_counter() - start, metrics.CHECKPOINT_SET_STATE_DICT: set_s}
 
 
 def tensor_state(part: Stateful) -> dict:

@@ -49,8 +49,6 @@ def gather_full(state: Any, keep: bool) -> Any:
 
 
 class FullMode:
-    name = "full"
-
     def stage(self, model_sd: dict, optim_sd: dict, parts_sd: dict, layout: Layout) -> dict | None:
         """The whole state on each replica leader that writes a copy (collective)."""
         keep = layout.replica_leader and (layout.replica == 0 or layout.diverged)

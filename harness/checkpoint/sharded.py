@@ -18,8 +18,6 @@ from harness.compat import ReusableStager
 
 
 class ShardedMode:
-    name = "sharded"
-
     def stage(self, model_sd: dict, optim_sd: dict, parts_sd: dict, layout: Layout) -> dict:
         """Each replica copy under its key; the parts' tensors (the same on every
         replica, so DCP writes them once) under `parts`."""
@@ -50,8 +48,6 @@ class AsyncShardedMode(ShardedMode):
     """`dcp.async_save`: the state is copied to host memory in a background
     thread (the loop waits for that only before the next optimizer step changes
     the parameters) and written in another; at most one save is in flight."""
-
-    name = "sharded_async"
 
     def __init__(self, device: torch.device):
         # Its own (gloo) group: on the default group the background thread's
