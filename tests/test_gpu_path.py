@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 import harness.compat
 from harness.compat import ReusableStager
-from harness.metrics import peak_flops
+from harness.throughput import peak_flops
 from harness.models import build_model
 from harness.optim import build_optimizer, clip_grad_norm_
 

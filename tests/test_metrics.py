@@ -8,7 +8,7 @@ import logging
 import pytest
 from omegaconf import OmegaConf
 
-from harness.metrics import MetricsSink
+from harness.sinks import MetricsSink
 
 from wandb_reader import find_run_files, read_run
 
