@@ -20,10 +20,10 @@ from harness.data import TokenStream
 from harness.dist import DistEnv, init_distributed, mean_over_ranks, node_of_each_rank, teardown, true_on_every_rank
 from harness.job import Job, build_job
 from harness.mesh import describe_replicas
-from harness.sinks import MetricsSink
-from harness.throughput import memory_metrics, peak_flops
 from harness.optim import clip_grad_norm_
 from harness.rng import seed_rank
+from harness.sinks import MetricsSink
+from harness.throughput import memory_metrics, peak_flops
 
 log = logging.getLogger(__name__)
 

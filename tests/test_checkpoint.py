@@ -94,7 +94,8 @@ def test_resume_in_every_mode_is_bitwise_equal_to_an_uninterrupted_run(layout, t
     assert all(r["checkpoint/load_s"] > 0 and r["checkpoint/set_state_dict_s"] > 0 for r in resumed)
     saves = [r for r in rows if "checkpoint/save_s" in r]
     assert {r["checkpoint/mode"] for r in saves} == {"sharded", "full"}  # an async save is a sharded save: one name
-    assert all(r["checkpoint/state_dict_s"] >= 0 and r["checkpoint/bytes"] > 0 for r in saves if "checkpoint/bytes" in r)
+    assert all(r["checkpoint/state_dict_s"] >= 0 for r in saves)
+    assert all(r["checkpoint/bytes"] > 0 for r in saves if "checkpoint/bytes" in r)
     assert any("checkpoint/write_s" in r and "checkpoint/save_s" not in r for r in rows), "async write time logged"
 
 

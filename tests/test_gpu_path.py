@@ -15,9 +15,9 @@ from omegaconf import OmegaConf
 
 import harness.compat
 from harness.compat import ReusableStager
-from harness.throughput import peak_flops
 from harness.models import build_model
 from harness.optim import build_optimizer, clip_grad_norm_
+from harness.throughput import peak_flops
 
 from support import FAST, check_ok, losses, read_metrics, run_cli
 
