@@ -67,7 +67,7 @@ class DiLoCoAverager(ReplicaAverager):
     def config_errors(cfg: DictConfig, replicas: int) -> list[str]:
         from harness.models import build_model
         from harness.optim import HARNESS_KEYS
-        from harness.validate import target_class
+        from harness.components import target_class
 
         avg = cfg.averager
         errors = ReplicaAverager.config_errors(cfg, replicas)

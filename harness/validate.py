@@ -12,8 +12,6 @@ which `validate` asks by building it cheaply (models on the meta device).
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import inspect
 import os
 from typing import Any
 
@@ -21,6 +19,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from harness.components import target_class
 from harness.config import EXTRA_KEYS, ConfigError, Strategy
 from harness.dist import resolve_device, under_torchrun
 from harness.mesh import mesh_shape
@@ -145,41 +144,6 @@ def _check_device(cfg: DictConfig, gpus: int, local_world_size: int) -> list[str
         f"visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); each rank "
         f"needs a GPU of its own. Fix: {fix}, or train.device=cpu."
     ]
-
-
-def target_class(
-    node: DictConfig,
-    group: str,
-    base: type,
-    base_name: str,
-    runtime_args: tuple[str, ...],
-    options: str,
-    harness_keys: tuple[str, ...] = (),
-) -> tuple[type | None, list[str]]:
-    """The class `<group>._target_` names, or the errors why it cannot be built from `node`:
-    it must import, subclass `base`, and accept every key of `node` (the
-    `runtime_args` are filled in by the harness, not the config; the
-    `harness_keys` are the harness's, not the class's)."""
-    target = node.get("_target_")
-    try:
-        module, _, name = str(target).rpartition(".")
-        cls = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError):
-        return None, [f"{group}._target_={target!r} cannot be imported. Fix: name a class, or pick {group}={options}."]
-    if not (inspect.isclass(cls) and issubclass(cls, base)):
-        return None, [
-            f"{group}._target_={target!r} is not a {base_name} subclass. "
-            f"Fix: point it at such a class, or pick {group}={options}."
-        ]
-    params = inspect.signature(cls).parameters
-    accepted = [p for p in params if p not in ("self", *runtime_args)]
-    errors = [
-        f"{group}.{key}={node[key]!r} is not an argument of {target}. It accepts: {', '.join(accepted)}. "
-        f"Fix: check the spelling of {group}.{key}."
-        for key in node.keys()
-        if not str(key).startswith("_") and key not in accepted and key not in harness_keys
-    ]
-    return (None if errors else cls), errors
 
 
 def _check_model_and_data(cfg: DictConfig) -> list[str]:
