@@ -121,3 +121,233 @@ def test_the_link_check_finds_broken_links(tmp_path):
         "(../outside.md)",
     ], broken
     assert all(b.startswith("README.md:9: ") for b in broken), broken
+
+
+# --- the commands the docs tell users to copy -------------------------------------------------
+
+COMMAND_START = re.compile(r"(?:\bpython\s+train\.py\b|\btorchrun\s(?:[^`#]*?\s)?train\.py\b)")
+ELLIPSIS = re.compile(r"\.\.\.|…")  # anywhere in a command: something was left out
+PLACEHOLDER = re.compile(r"<[^<>]*>|^\[[^\]=]*\]$")  # in an override: a value to fill in
+
+
+def doc_commands(path: Path) -> list[tuple[int, str]]:
+    """(line number, command) for every `python train.py ...` / `torchrun ... train.py ...`
+    in a Markdown file: in fenced code (a `\\` continuation joins the next line; a
+    `$ ` prompt and a `# comment` are dropped) and in inline code spans (which may
+    wrap onto the next line of their paragraph). A command ends at `&&`, `;`, `|`
+    or `#`."""
+    text = path.read_text(encoding="utf-8")
+    found, fence, pending, paragraph = [], None, None, []
+
+    def add(number: int, snippet: str) -> None:
+        match = COMMAND_START.search(snippet)
+        if match:
+            command = re.split(r"\s(?:&&|;|\||#)", " " + snippet[match.start() :])[0]
+            if re.search(r"\btrain\.py\b", command):
+                found.append((number, " ".join(command.split())))
+
+    def flush_paragraph() -> None:
+        starts, joined = [], ""
+        for number, line in paragraph:
+            starts.append((len(joined), number))
+            joined += line + " "
+        for match in CODE_SPAN.finditer(joined):
+            add(max(n for offset, n in starts if offset <= match.start()), match.group(2))
+        paragraph.clear()
+
+    for number, line in enumerate(text.splitlines(), 1):
+        match = FENCE.match(line)
+        if match:
+            flush_paragraph()
+            if fence is None:
+                fence = match.group(1)
+            elif line.strip().startswith(fence):
+                fence = None
+            continue
+        if fence is not None:
+            if pending:
+                pending = (pending[0], pending[1][:-1] + " " + line.strip())
+            else:
+                pending = (number, line.strip().removeprefix("$ "))
+            if not pending[1].endswith("\\"):
+                add(*pending)
+                pending = None
+        elif line.strip():
+            paragraph.append((number, line.strip()))
+        else:
+            flush_paragraph()
+    flush_paragraph()
+    return found
+
+
+# Commands the docs show on purpose as refused (a transcript of the refusal follows them).
+REFUSED = {
+    "python train.py sharding=full_shard": "README and Configuration show this refusal as the example of `validate`",
+}
+# Commands that cannot compose here, each with the reason.
+NOT_HERE = {
+    "python train.py model=wide_mlp": "Configuration's example of a new option: conf/model/wide_mlp.yaml is the file "
+    "the reader writes first",
+}
+
+
+def command_jobs(command: str) -> tuple[list[tuple[list[str], int, int]], str | None]:
+    """The jobs a documented command runs, each as (overrides, world size, local world size),
+    or ([], why) when the command is skipped. See `test_documented_commands_compose_and_validate`."""
+    from hydra import compose, initialize_config_dir
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from harness.config import register_configs
+
+    register_configs()
+    tokens = command.split()
+    nproc = nnodes = None
+    if tokens[0] == "torchrun":
+        flags, tokens = tokens[1 : tokens.index("train.py")], tokens[tokens.index("train.py") + 1 :]
+        for i, flag in enumerate(flags):
+            name, _, value = flag.partition("=")
+            value = value or (flags[i + 1] if i + 1 < len(flags) else "")
+            if name in ("--nproc-per-node", "--nproc_per_node"):
+                nproc = int(value)
+            elif name == "--nnodes":
+                nnodes = int(value)
+        nproc = nproc or 1
+    else:
+        tokens = tokens[2:]
+    multirun = "-m" in tokens or "--multirun" in tokens
+    args = [t for t in tokens if not t.startswith("-") and not t.startswith(("hydra.", "hydra/", "+hydra."))]
+    if ELLIPSIS.search(command) or any(PLACEHOLDER.search(a) for a in args):
+        return [], "placeholder"
+    parsed = OverridesParser.create().parse_overrides(args)
+    sweeps = [o.input_line for o in parsed if o.is_sweep_override()]
+    if sweeps and not multirun:
+        raise AssertionError(f"{sweeps} sweep(s) without -m: Hydra refuses them")
+    plain = [o.input_line for o in parsed if not o.is_sweep_override()]
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        params = compose("config", overrides=plain, return_hydra_config=True).hydra.sweeper.params if multirun else {}
+    preset = [f"{key}={value}" for key, value in (params or {}).items()]
+    (batch,) = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(preset + args), None)
+    jobs = []
+    for overrides in batch:
+        if nproc is None:  # python train.py: launcher.nproc local ranks (null: 2 without GPUs)
+            nprocs = [o.partition("=")[2] for o in overrides if o.startswith("launcher.nproc=")]
+            world = int(nprocs[-1]) if nprocs and nprocs[-1] != "null" else 2
+            jobs.append((overrides, world, world))
+        else:
+            jobs.append((overrides, nproc * (nnodes or 1), nproc))
+    return jobs, None
+
+
+def test_documented_commands_compose_and_validate():
+    """Every `python train.py ...` and `torchrun ... train.py ...` in README.md and
+    docs/*.md (fenced code and inline code) composes and passes `validate`, as each
+    of its jobs would at startup, on a machine without GPUs.
+
+    - Flags (`-m`, `--cfg ...`) and Hydra's own overrides (`hydra.*`, `hydra/...`) are dropped.
+    - A command is skipped as a pattern, not a command, when it holds `...` or `…`
+      anywhere (something was left out) or an override holds a placeholder (`<name>`,
+      `[overrides]`); a `<host>` in torchrun's own flags does not matter here.
+    - `-m` expands the sweep as Hydra's basic sweeper does: the preset's
+      `hydra.sweeper.params` first, then the command line (which wins per key),
+      the product of every swept value; a sweep without `-m` fails (Hydra refuses it).
+    - World size: `torchrun --nproc-per-node N [--nnodes M]` is N·M ranks, N per node;
+      `python train.py` starts `launcher.nproc` ranks, 2 when null (no GPUs here).
+    - `REFUSED` lists the commands shown on purpose being refused (they must stay
+      refused), `NOT_HERE` the ones that cannot compose here, each with its reason.
+    """
+    from hydra import compose, initialize_config_dir
+
+    from harness.config import ConfigError
+    from harness.validate import validate
+
+    failures, checked = [], 0
+    for path in doc_files(REPO):
+        for number, command in doc_commands(path):
+            where = f"{path.relative_to(REPO)}:{number}: {command}"
+            if command in NOT_HERE:
+                continue
+            try:
+                jobs, skipped = command_jobs(command)
+                for overrides, world, local in jobs:
+                    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+                        cfg = compose("config", overrides=overrides)
+                    try:
+                        validate(cfg, world_size=world, gpus=0, local_world_size=local)
+                    except ConfigError:
+                        if command not in REFUSED:
+                            raise
+                    else:
+                        if command in REFUSED:
+                            raise AssertionError(f"documented as refused, but passes: {REFUSED[command]}")
+                checked += not skipped
+            except Exception as error:  # noqa: BLE001 - every failure is reported with its command
+                failures.append(f"{where}\n  job {overrides if jobs else ''}: {type(error).__name__}: {error}")
+    assert checked > 20
+    assert not failures, f"{len(failures)} documented command(s) fail:\n" + "\n".join(failures)
+
+
+def test_the_command_finder_finds_commands_in_code_blocks_and_spans(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "# Page\n\n```bash\n$ python train.py a=1 \\\n    b=2   # note\npip install . && python train.py c=3\n"
+        "torchrun --nproc-per-node 4 train.py d=4 | tee log\npython -m harness.report x\n```\n\n"
+        "Run `python train.py -m\ne=5,6` or `torchrun ... train.py`; `train.py` alone is no command.\n"
+    )
+    assert doc_commands(page) == [
+        (4, "python train.py a=1 b=2"),
+        (6, "python train.py c=3"),
+        (7, "torchrun --nproc-per-node 4 train.py d=4"),
+        (11, "python train.py -m e=5,6"),
+        (12, "torchrun ... train.py"),
+    ]
+    jobs, skipped = command_jobs("torchrun --nproc-per-node 4 --nnodes 2 train.py -m averager.period=2,4")
+    assert skipped is None and [(j, w, n) for j, w, n in jobs] == [
+        (["averager.period=2"], 8, 4),
+        (["averager.period=4"], 8, 4),
+    ]
+    assert command_jobs("python train.py -m ... launcher.nproc=N") == ([], "placeholder")
+
+
+# --- metric names -----------------------------------------------------------------------------
+
+METRICS_BEGIN = "<!-- metrics table: python -m harness.metrics -->"
+METRICS_END = "<!-- end metrics table -->"
+
+
+def test_outputs_metrics_table_is_the_generated_one():
+    """docs/outputs.md's table between the two markers is `python -m harness.metrics`'s
+    output; after changing a Metric in harness/metrics.py, paste that output in."""
+    from harness.metrics import markdown_table
+
+    text = (REPO / "docs" / "outputs.md").read_text(encoding="utf-8")
+    assert text.count(METRICS_BEGIN) == 1 and text.count(METRICS_END) == 1, "the metrics table markers are missing"
+    table = text.split(METRICS_BEGIN)[1].split(METRICS_END)[0]
+    assert table.strip("\n") == markdown_table().strip("\n"), (
+        "docs/outputs.md's metrics table differs from harness/metrics.py: replace the lines between "
+        f"{METRICS_BEGIN} and {METRICS_END} by the output of `python -m harness.metrics`"
+    )
+
+
+def test_every_metric_named_in_the_docs_is_declared():
+    """Every `section/name` in inline code in README.md and docs/*.md whose section
+    is a metric section (`train/...`, `comm/...`, ...) is declared in
+    harness.metrics.METRICS, so a renamed metric cannot linger in prose. Wildcards
+    (`comm/*`, `checkpoint/*_s`) and config groups (`averager/outer_optimizer`, a
+    folder under conf/) are not metric names."""
+    from harness.metrics import METRICS
+
+    sections = {name.split("/")[0] for name in METRICS}
+    unknown = []
+    for path in doc_files(REPO):
+        for number, line in prose_lines(path.read_text(encoding="utf-8"), blank_code=False):
+            for match in CODE_SPAN.finditer(line):
+                name = match.group(2).strip()
+                if (
+                    re.fullmatch(r"[a-z_]+/[a-z0-9_]+", name)
+                    and name.split("/")[0] in sections
+                    and name not in METRICS
+                    and not (REPO / "conf" / name).is_dir()
+                ):
+                    unknown.append(f"{path.relative_to(REPO)}:{number}: `{name}`")
+    assert not unknown, "metric names in the docs that harness/metrics.py does not declare:\n" + "\n".join(unknown)
