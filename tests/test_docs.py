@@ -130,20 +130,20 @@ ELLIPSIS = re.compile(r"\.\.\.|…")  # anywhere in a command: something was lef
 PLACEHOLDER = re.compile(r"<[^<>]*>|^\[[^\]=]*\]$")  # in an override: a value to fill in
 
 
-def doc_commands(path: Path) -> list[tuple[int, str]]:
+def doc_commands(path: Path, start: re.Pattern = COMMAND_START) -> list[tuple[int, str]]:
     """(line number, command) for every `python train.py ...` / `torchrun ... train.py ...`
-    in a Markdown file: in fenced code (a `\\` continuation joins the next line; a
+    (or what `start` finds) in a Markdown file: in fenced code (a `\\` continuation joins the next line; a
     `$ ` prompt and a `# comment` are dropped) and in inline code spans (which may
-    wrap onto the next line of their paragraph). A command ends at `&&`, `;`, `|`
-    or `#`."""
+    wrap onto the next line of their paragraph). A command ends at `&&`, `;`, `|`,
+    `#` or a redirection."""
     text = path.read_text(encoding="utf-8")
     found, fence, pending, paragraph = [], None, None, []
 
     def add(number: int, snippet: str) -> None:
-        match = COMMAND_START.search(snippet)
+        match = start.search(snippet)
         if match:
-            command = re.split(r"\s(?:&&|;|\||#)", " " + snippet[match.start() :])[0]
-            if re.search(r"\btrain\.py\b", command):
+            command = re.split(r"\s(?:&&|;|\||#|\d?>>?(?=\s*[\w/&$]))", " " + snippet[match.start() :])[0]
+            if start.search(command):
                 found.append((number, " ".join(command.split())))
 
     def flush_paragraph() -> None:
@@ -291,15 +291,17 @@ def test_the_command_finder_finds_commands_in_code_blocks_and_spans(tmp_path):
     page = tmp_path / "page.md"
     page.write_text(
         "# Page\n\n```bash\n$ python train.py a=1 \\\n    b=2   # note\npip install . && python train.py c=3\n"
-        "torchrun --nproc-per-node 4 train.py d=4 | tee log\npython -m harness.report x\n```\n\n"
+        "torchrun --nproc-per-node 4 train.py d=4 | tee log\npython -m harness.report x\n"
+        "torchrun --rdzv-endpoint <host 0>:29500 train.py g=8 2>/dev/null\n```\n\n"
         "Run `python train.py -m\ne=5,6` or `torchrun ... train.py`; `train.py` alone is no command.\n"
     )
     assert doc_commands(page) == [
         (4, "python train.py a=1 b=2"),
         (6, "python train.py c=3"),
         (7, "torchrun --nproc-per-node 4 train.py d=4"),
-        (11, "python train.py -m e=5,6"),
-        (12, "torchrun ... train.py"),
+        (9, "torchrun --rdzv-endpoint <host 0>:29500 train.py g=8"),
+        (12, "python train.py -m e=5,6"),
+        (13, "torchrun ... train.py"),
     ]
     jobs, skipped = command_jobs("torchrun --nproc-per-node 4 --nnodes 2 train.py -m averager.period=2,4")
     assert skipped is None and [(j, w, n) for j, w, n in jobs] == [
@@ -307,6 +309,29 @@ def test_the_command_finder_finds_commands_in_code_blocks_and_spans(tmp_path):
         (["averager.period=4"], 8, 4),
     ]
     assert command_jobs("python train.py -m ... launcher.nproc=N") == ([], "placeholder")
+
+
+BENCH_COMMAND = re.compile(r"\bpython\s+bench/[a-z_]+\.py\b")
+
+
+def test_documented_bench_commands_use_flags_the_benches_define():
+    """Every `--flag` of a documented `python bench/<name>.py ...` command (in fenced
+    or inline code) is one that bench/<name>.py's argparse defines (read from its
+    source, without running it): a renamed flag cannot linger in the docs."""
+    wrong, checked = [], 0
+    for path in doc_files(REPO):
+        for number, command in doc_commands(path, BENCH_COMMAND):
+            script = REPO / command.split()[1]
+            if not script.is_file():
+                wrong.append(f"{path.relative_to(REPO)}:{number}: {command}: {script.name} does not exist")
+                continue
+            source = script.read_text(encoding="utf-8")
+            for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", command):
+                checked += 1
+                if not re.search(rf"add_argument\(\s*(?:\"-\w\",\s*)?\"{flag}\"", source):
+                    wrong.append(f"{path.relative_to(REPO)}:{number}: {command}: {script.name} has no {flag}")
+    assert checked > 5
+    assert not wrong, "documented bench flags the scripts do not define:\n" + "\n".join(wrong)
 
 
 # --- metric names -----------------------------------------------------------------------------
