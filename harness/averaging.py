@@ -301,6 +301,11 @@ class CrossReplica:
     averager: ReplicaAverager | None
     ddp_state: PostLocalSGDState | None = None  # the DDP hook's own iteration counter
 
+    @property
+    def averaged_this_step(self) -> bool:
+        """The step just taken averaged (or synced) across replicas; reset by `step_metrics`."""
+        return self.traffic.averaged is not None
+
     def step_metrics(self) -> dict:
         return self.traffic.step_metrics(self.averager.step if self.averager is not None else None)
 

@@ -306,6 +306,13 @@ class WandbConf:
 
 
 @dataclass
+class MetricsConf:
+    # also write every metric as TensorBoard event files in <run dir>/tensorboard/, for clusters whose compute
+    # nodes cannot reach W&B (needs the `tensorboard` extra)
+    tensorboard: bool = False
+
+
+@dataclass
 class Config:
     model: Any = None
     data: Any = None
@@ -317,6 +324,7 @@ class Config:
     launcher: LauncherConf = field(default_factory=LauncherConf)
     dist: DistConf = field(default_factory=DistConf)
     train: TrainConf = field(default_factory=TrainConf)
+    metrics: MetricsConf = field(default_factory=MetricsConf)
 
 
 SCHEMAS = {

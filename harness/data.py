@@ -16,7 +16,8 @@ trains on (text: the corpus's last `data.eval_fraction` of bytes). Its
 constructor refuses bad arguments with a ValueError naming the key and the fix
 (`validate` builds it to ask, so it must be cheap); a source that reads files
 checks them in `preflight_errors()` and loads them in `open()`, which every
-rank calls together.
+rank calls together; one with held-out data it cannot always provide says so in
+`eval_errors(train.eval_every)`.
 """
 
 from __future__ import annotations
@@ -153,14 +154,23 @@ class TextTokens:
         split = len(corpus) - int(len(corpus) * self.eval_fraction)
         self.tokens, self.held_out = corpus[:split], corpus[split:]
 
+    def eval_errors(self, eval_every: int) -> list[str]:
+        """Why `train.eval_every` cannot score held-out data from this source."""
+        if eval_every > 0 and self.eval_fraction == 0:
+            return [
+                f"train.eval_every={eval_every} scores held-out data, but data.eval_fraction=0 holds none of the "
+                "text corpus out. Fix: data.eval_fraction=0.01 (the corpus's last 1 %), or train.eval_every=0."
+            ]
+        return []
+
     def eval_samples(self, first: int, count: int, length: int) -> torch.Tensor:
         """Consecutive windows of the held-out bytes (wrapping around)."""
-        windows = _windows(self.held_out, length, "held-out part (data.eval_fraction) of the")
+        windows = _windows(self.held_out, length, "held-out part of the text corpus", "raise data.eval_fraction")
         starts = [(index % windows) * length for index in range(first, first + count)]
         return torch.stack([torch.from_numpy(self.held_out[s : s + length].astype(np.int64)) for s in starts])
 
     def samples(self, first: int, count: int, length: int) -> torch.Tensor:
-        windows = _windows(self.tokens, length, "")
+        windows = _windows(self.tokens, length, "text corpus", "add files (data.root, data.glob)")
         rows = []
         for index in range(first, first + count):
             epoch, i = divmod(index, windows)
@@ -171,12 +181,12 @@ class TextTokens:
         return torch.stack(rows)
 
 
-def _windows(tokens: np.ndarray, length: int, part: str) -> int:
+def _windows(tokens: np.ndarray, length: int, part: str, more: str) -> int:
     windows = (len(tokens) - 1) // length
     if windows < 1:
         raise ValueError(
-            f"the {part}text corpus holds {len(tokens)} bytes, fewer than one window of "
-            f"train.seq_len+1={length} bytes; lower train.seq_len or add files"
+            f"the {part} holds {len(tokens)} bytes, fewer than one window of train.seq_len+1={length} bytes. "
+            f"Fix: lower train.seq_len, or {more}."
         )
     return windows
 
@@ -208,20 +218,18 @@ class TokenStream:
         self.samples = int(state["samples"])
 
 
-def build_data(
-    cfg: DictConfig,
-    vocab_size: int,
-    batch_size: int,
-    seq_len: int,
-    seed: int,
-    rank: int,
-    world_size: int,
-    device: torch.device,
-) -> TokenStream:
-    source = instantiate(cfg, _partial_=True)(vocab_size=vocab_size, seed=seed)
+def data_source(cfg: DictConfig):
+    """The source `data` names, unopened (cheap): its config keys plus the two
+    arguments the harness fills in, given here and nowhere else."""
+    return instantiate(cfg.data, _partial_=True)(vocab_size=cfg.model.vocab_size, seed=cfg.train.seed)
+
+
+def build_data(cfg: DictConfig, rank: int, world_size: int, device: torch.device) -> TokenStream:
+    """This rank's slice of the stream `cfg.data` describes, its files opened (collective)."""
+    source = data_source(cfg)
     if hasattr(source, "open"):
         source.open()
-    return TokenStream(source, batch_size, seq_len, rank, world_size, device)
+    return TokenStream(source, cfg.train.batch_size, cfg.train.seq_len, rank, world_size, device)
 
 
 def text_root(root: str | None) -> str:

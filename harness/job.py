@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from omegaconf import DictConfig
@@ -16,6 +16,9 @@ from harness.mesh import build_mesh
 from harness.models import build_model
 from harness.optim import StepInBackward, build_local_optimizer
 from harness.sharding import apply_sharding, compile_blocks
+
+if TYPE_CHECKING:  # plan imports the checkpoint package, which imports this module
+    from harness.plan import RunPlan
 
 
 class Stateful(Protocol):
@@ -67,28 +70,16 @@ class Job:
         return {"data": self.data, "cross_replica": self.cross_replica or _NoState()}
 
 
-def build_job(cfg: DictConfig, env: DistEnv) -> Job:
-    mesh = build_mesh(cfg.sharding.strategy, cfg.sharding.replicate, env.world_size, env.device.type)
+def build_job(cfg: DictConfig, env: DistEnv, plan: RunPlan) -> Job:
+    """What one rank trains with: the plan's mesh, the model sharded on it and
+    materialised, the local optimizer wrapped for averaging, this rank's data."""
+    mesh = build_mesh(plan.replicate, plan.shard, env.device.type)
     model = build_model(cfg.model, cfg.train.seq_len)
     flops_per_token = model.flops_per_token(cfg.train.seq_len)
     if cfg.train.compile:
         compile_blocks(model)
-    local_sgd = cfg.averager.get("_target_") is not None
-    model = apply_sharding(model, mesh, cfg.sharding, env.device, cfg.train.seed, replicas_train_alone=local_sgd)
+    model = apply_sharding(model, mesh, cfg.sharding, env.device, cfg.train.seed, replicas_train_alone=plan.averaging)
     optimizer = build_local_optimizer(cfg.optimizer, model.parameters(), env.device)
     optimizer, cross_replica = setup_cross_replica(model, optimizer, mesh, cfg.averager)
-    return Job(model, optimizer, rank_data(cfg, env), mesh, cross_replica, flops_per_token)
-
-
-def rank_data(cfg: DictConfig, env: DistEnv) -> TokenStream:
-    """This rank's slice of the data stream `cfg.data` describes."""
-    return build_data(
-        cfg.data,
-        cfg.model.vocab_size,
-        cfg.train.batch_size,
-        cfg.train.seq_len,
-        cfg.train.seed,
-        env.rank,
-        env.world_size,
-        env.device,
-    )
+    data = build_data(cfg, env.rank, env.world_size, env.device)
+    return Job(model, optimizer, data, mesh, cross_replica, flops_per_token)

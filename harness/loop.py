@@ -1,5 +1,6 @@
-"""One rank's run: `run_rank` takes it from process group to teardown, and
-`train` is the loop itself."""
+"""One rank's run: `run_rank` takes it from process group to teardown;
+`Trainer` runs a built job (`harness.job.build_job`): resume, the loop, the
+final save. Benches and tests use the same two calls."""
 
 from __future__ import annotations
 
@@ -14,13 +15,15 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torch.distributed.fsdp import FSDPModule
 
-from harness.checkpoint import Checkpointer, checkpoint_dir, load, resume_path
-from harness.config import TrainConf, plain
+from harness import metrics
+from harness.checkpoint import Checkpointer, checkpoint_dir, load
+from harness.config import plain
 from harness.data import TokenStream
 from harness.dist import DistEnv, init_distributed, mean_over_ranks, node_of_each_rank, teardown, true_on_every_rank
 from harness.job import Job, build_job
 from harness.mesh import describe_replicas
 from harness.optim import clip_grad_norm_
+from harness.plan import RunPlan
 from harness.rng import seed_rank
 from harness.sinks import MetricsSink
 from harness.throughput import memory_metrics, peak_flops
@@ -36,18 +39,12 @@ class TrainState:
     step: int = 0
 
 
-def run_rank(cfg: DictConfig, run_dir: Path) -> None:
-    """One rank of the run described by `cfg` (already validated)."""
+def run_rank(cfg: DictConfig, run_dir: Path, plan: RunPlan) -> None:
+    """One rank of the run described by `cfg` (already checked) and its `plan`."""
     env = init_distributed(cfg.train.device, cfg.dist.timeout_s, cfg.dist.threads_per_rank)
     seed_rank(cfg.train.seed, env.rank)
-    sink = None
     try:
-        job = build_job(cfg, env)
-        run_config = plain(cfg)
-        checkpointer = Checkpointer(
-            cfg.checkpoint, checkpoint_dir(cfg.checkpoint, run_dir), env.rank, env.device, run_config
-        )
-        sink = MetricsSink(run_dir, cfg.wandb, run_config, enabled=env.is_main)
+        job = build_job(cfg, env, plan)
         log.info(
             "world %d, mesh %s, %s parameters, device %s",
             env.world_size,
@@ -56,99 +53,128 @@ def run_rank(cfg: DictConfig, run_dir: Path) -> None:
             env.device,
         )
         log.info("replicas: %s", describe_replicas(job.mesh, node_of_each_rank()))
-        state = TrainState()
-        path = resume_path(cfg.checkpoint, run_dir)
-        if path is not None:
-            row = restore(job, state, path, env.rank)
-            sink.rewind(state.step)  # rows past the checkpoint are about to be logged again
-            sink.log(row, state.step)
-        train(job, sink, cfg.train, env, state, checkpointer)
-        if final := checkpointer.wait():  # the last async save is durable before we exit
-            sink.log(final, state.step)
-        checkpointer.close()
-        dist.barrier()  # no rank tears down while a peer still has collectives in flight
+        with Trainer(job, cfg, env, run_dir, plan.resume_from) as trainer:
+            trainer.run()
     finally:
-        if sink is not None:
-            sink.close()
         teardown()
 
 
-def restore(job: Job, state: TrainState, path: Path, rank: int) -> dict:
-    """Resume `job` from the checkpoint at `path`; returns the load metrics."""
-    meta, row = load(path, job, rank)
-    state.step = meta["step"]
-    log.info("resumed from %s at step %d (%.2f s)", path, state.step, row["checkpoint/load_s"])
-    return {
-        **row,
-        "run/resumed_from_step": state.step,
-        "run/restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
-    }
+class Trainer:
+    """Trains a built job: `run()` to `train.steps` (or a step of the caller's,
+    so a bench can time slices), resuming first from `resume_from`. Used as a
+    context manager: leaving it normally makes the last async save durable and
+    waits for every rank; leaving it in any way closes the metrics sinks."""
 
+    def __init__(self, job: Job, cfg: DictConfig, env: DistEnv, run_dir: Path, resume_from: Path | None = None):
+        self.job, self.cfg, self.env = job, cfg.train, env
+        run_config = plain(cfg)
+        self.checkpointer = Checkpointer(
+            cfg.checkpoint, checkpoint_dir(cfg.checkpoint, run_dir), env.rank, env.device, run_config
+        )
+        self.sink = MetricsSink(run_dir, cfg.wandb, run_config, enabled=env.is_main)
+        self.state = TrainState()
+        if resume_from is not None:
+            self.restore(resume_from)
 
-def train(
-    job: Job, sink: MetricsSink, cfg: TrainConf, env: DistEnv, state: TrainState, checkpointer: Checkpointer
-) -> None:
-    """Train until `cfg.steps` steps are done: forward, backward, step (+ averaging), log, checkpoint."""
-    model, optimizer = job.model, job.optimizer
-    tokens_per_step = cfg.batch_size * cfg.seq_len * env.world_size
-    peak = peak_flops(env.device, cfg.peak_tflops)
-    last_time, last_step = time.perf_counter(), state.step
-    while state.step < cfg.steps:
-        step = state.step + 1
-        log_step = step == 1 or step % cfg.log_every == 0 or step == cfg.steps
-        inputs, targets = job.data.next_batch()
-        loss = model(inputs, targets)
-        if job.steps_in_backward:  # optimizer.in_backward: the parameters change during backward
-            checkpointer.wait_for_staging()
-        loss.backward()
-        grad_norm = None  # the norm costs an all-reduce: only when clipping or logging (and gradients are kept)
-        if (cfg.grad_clip > 0 or log_step) and not job.steps_in_backward:
-            grad_norm = clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        finite = finite_on_every_rank(loss, grad_norm)
-        if finite:
-            checkpointer.wait_for_staging()  # an async save copies the parameters before they change
-            optimizer.step()  # with an averager: the local step, then maybe averaging across replicas
-        else:
-            skip_nonfinite_step(cfg.nonfinite, step, job.steps_in_backward)  # raises unless train.nonfinite=skip
-        optimizer.zero_grad(set_to_none=True)
-        state.step = step
+    def __enter__(self) -> Trainer:
+        return self
 
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is None:
+                if final := self.checkpointer.wait():  # the last async save is durable before we exit
+                    self.sink.log(final, self.state.step)
+                self.checkpointer.close()
+                dist.barrier()  # no rank tears down while a peer still has collectives in flight
+        finally:
+            self.sink.close()
+
+    def restore(self, path: Path) -> None:
+        """Resume from the checkpoint at `path`; its load metrics are logged at its step."""
+        meta, row = load(path, self.job, self.env.rank)
+        self.state.step = meta["step"]
+        log.info("resumed from %s at step %d (%.2f s)", path, self.state.step, row[metrics.CHECKPOINT_LOAD])
+        self.sink.rewind(self.state.step)  # rows past the checkpoint are about to be logged again
+        row[metrics.RUN_RESUMED_FROM] = self.state.step
+        row[metrics.RUN_RESTARTS] = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        self.sink.log(row, self.state.step)
+
+    def run(self, until: int | None = None) -> None:
+        """Train until step `until` (default and at most `train.steps`): forward,
+        backward, step (+ averaging across replicas), eval, checkpoint, log."""
+        job, cfg, state = self.job, self.cfg, self.state
+        until = cfg.steps if until is None else min(until, cfg.steps)
+        self._clock = time.perf_counter(), state.step
+        while state.step < until:
+            step = state.step + 1
+            log_step = step == 1 or step % cfg.log_every == 0 or step == cfg.steps
+            inputs, targets = job.data.next_batch()
+            loss = job.model(inputs, targets)
+            if job.steps_in_backward:  # optimizer.in_backward: the parameters change during backward
+                self.checkpointer.wait_for_staging()
+            loss.backward()
+            grad_norm = None  # the norm costs an all-reduce: only when clipping or logging (and gradients are kept)
+            if (cfg.grad_clip > 0 or log_step) and not job.steps_in_backward:
+                grad_norm = clip_grad_norm_(job.model.parameters(), cfg.grad_clip)
+            finite = finite_on_every_rank(loss, grad_norm)
+            if finite:
+                self.checkpointer.wait_for_staging()  # an async save copies the parameters before they change
+                job.optimizer.step()  # with an averager: the local step, then maybe averaging across replicas
+            else:
+                skip_nonfinite_step(cfg.nonfinite, step, job.steps_in_backward)  # raises unless train.nonfinite=skip
+            job.optimizer.zero_grad(set_to_none=True)
+            state.step = step
+            self._after_step(step, log_step, loss, grad_norm, finite)
+
+    def _after_step(
+        self, step: int, log_step: bool, loss: torch.Tensor, grad_norm: torch.Tensor | None, finite: bool
+    ) -> None:
+        """Eval and checkpoint when due; log this step's row on log steps and on
+        steps where something happened (averaging, eval, a save, a skipped step)."""
+        job, cfg = self.job, self.cfg
+        averaged = job.cross_replica is not None and job.cross_replica.averaged_this_step
         row = job.cross_replica.step_metrics() if job.cross_replica is not None else {}
-        if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
-            row["eval/loss"] = evaluate(job.model, job.data, cfg.eval_batches)
-        saved = checkpointer.after_step(job, step, cfg.steps)
+        evaluated = cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == cfg.steps)
+        if evaluated:
+            row[metrics.EVAL_LOSS] = evaluate(job.model, job.data, cfg.eval_batches)
+        saved = self.checkpointer.after_step(job, step, cfg.steps)
         row.update(saved)
         if not finite:
-            row["train/skipped_nonfinite"] = 1
+            row[metrics.TRAIN_SKIPPED_NONFINITE] = 1
         if log_step:
-            mean_loss = mean_over_ranks(loss)  # also waits for the device, so the clock below is honest
-            step_time = (time.perf_counter() - last_time) / (step - last_step)
-            row.update(
-                {
-                    "train/loss": mean_loss,
-                    "train/lr": optimizer.param_groups[0]["lr"],
-                    "train/step_time_s": step_time,
-                    "train/tokens_per_s": tokens_per_step / step_time,
-                    **memory_metrics(env.device),
-                }
+            row.update(self._progress(step, loss, grad_norm))
+        if log_step or averaged or evaluated or saved or not finite:
+            self.sink.log(row, step)
+
+    def _progress(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> dict:
+        """Loss, speed and memory since the previous log step; rank 0 prints a line."""
+        mean_loss = mean_over_ranks(loss)  # also waits for the device, so the clock below is honest
+        since, since_step = self._clock
+        step_time = (time.perf_counter() - since) / (step - since_step)
+        tokens_per_s = self.cfg.batch_size * self.cfg.seq_len * self.env.world_size / step_time
+        row = {
+            metrics.TRAIN_LOSS: mean_loss,
+            metrics.TRAIN_LR: self.job.optimizer.param_groups[0]["lr"],
+            metrics.TRAIN_STEP_TIME: step_time,
+            metrics.TRAIN_TOKENS_PER_S: tokens_per_s,
+            **memory_metrics(self.env.device),
+        }
+        if grad_norm is not None:
+            row[metrics.TRAIN_GRAD_NORM] = grad_norm.item()
+        peak = peak_flops(self.env.device, self.cfg.peak_tflops)
+        if peak is not None:  # model FLOPs achieved per device over its peak
+            row[metrics.TRAIN_MFU] = tokens_per_s / self.env.world_size * self.job.flops_per_token / peak
+        if self.env.is_main:
+            log.info(
+                "step %d/%d | loss %.4f | %s tok/s | %.3f s/step",
+                step,
+                self.cfg.steps,
+                mean_loss,
+                f"{tokens_per_s:,.0f}",
+                step_time,
             )
-            if grad_norm is not None:
-                row["train/grad_norm"] = grad_norm.item()
-            if peak is not None:  # model FLOPs achieved per device over its peak
-                row["train/mfu"] = row["train/tokens_per_s"] / env.world_size * job.flops_per_token / peak
-            sink.log(row, step)
-            if env.is_main:
-                log.info(
-                    "step %d/%d | loss %.4f | %s tok/s | %.3f s/step",
-                    step,
-                    cfg.steps,
-                    mean_loss,
-                    f"{row['train/tokens_per_s']:,.0f}",
-                    step_time,
-                )
-            last_time, last_step = time.perf_counter(), step
-        elif row.get("averager/averaged") or saved or not finite or "eval/loss" in row:  # and these steps
-            sink.log(row, step)
+        self._clock = time.perf_counter(), step
+        return row
 
 
 @torch.no_grad()

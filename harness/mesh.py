@@ -13,9 +13,10 @@ def default_replicas(world_size: int, local_world_size: int) -> int:
     """`sharding.replicate` for a hybrid strategy left at null: one replica per
     node (shard inside a node over its fast links, average across nodes over
     the slow ones - FSDP1 HYBRID_SHARD's layout). A single node has nothing to
-    go by, so it gets 2 replicas: the smallest layout with something to average."""
+    go by, so it gets 2 replicas, the smallest layout with something to average,
+    when its ranks split evenly; else (one GPU, or an odd count) one replica."""
     nodes = world_size // local_world_size
-    return nodes if nodes > 1 else 2
+    return nodes if nodes > 1 else 2 if world_size % 2 == 0 else 1
 
 
 def describe_replicas(mesh: DeviceMesh, node_of_rank: list[int]) -> str:
@@ -40,7 +41,7 @@ def mesh_shape(
             replicate = default_replicas(world_size, local_world_size or world_size)
         if replicate < 1 or world_size % replicate:
             divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-            value = given if given is not None else f"null (one replica per node, 2 on one node: {replicate})"
+            value = given if given is not None else f"null (one replica per node: {replicate})"
             raise ValueError(
                 f"sharding.replicate={value} does not divide the world size {world_size}, so the "
                 f"(replicate, shard) mesh cannot be built. Fix: sharding.replicate=one of {divisors}, "
@@ -57,6 +58,5 @@ def mesh_shape(
     return implied, world_size // implied
 
 
-def build_mesh(strategy: str, replicate: int | None, world_size: int, device_type: str) -> DeviceMesh:
-    shape = mesh_shape(strategy, replicate, world_size)
-    return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
+def build_mesh(replicate: int, shard: int, device_type: str) -> DeviceMesh:
+    return init_device_mesh(device_type, (replicate, shard), mesh_dim_names=("replicate", "shard"))

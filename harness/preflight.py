@@ -8,7 +8,6 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from harness.checkpoint import (
@@ -17,14 +16,15 @@ from harness.checkpoint import (
     checkpoint_dir,
     complete_checkpoints,
     read_meta,
-    resume_path,
 )
+from harness.data import data_source
 
 
-def preflight(cfg: DictConfig, run_dir: Path) -> list[str]:
-    source = instantiate(cfg.data, _partial_=True)(vocab_size=cfg.model.vocab_size, seed=cfg.train.seed)
+def preflight(cfg: DictConfig, run_dir: Path, resume_from: Path | None) -> list[str]:
+    """`resume_from`: the checkpoint the run's plan resumes from (`RunPlan.resume_from`)."""
+    source = data_source(cfg)
     errors = source.preflight_errors() if hasattr(source, "preflight_errors") else []
-    return errors + _check_checkpoint_dir(cfg.checkpoint, run_dir) + _check_resume(cfg, run_dir)
+    return errors + _check_checkpoint_dir(cfg.checkpoint, run_dir) + _check_resume(cfg, run_dir, resume_from)
 
 
 def _check_checkpoint_dir(cfg: DictConfig, run_dir: Path) -> list[str]:
@@ -44,10 +44,9 @@ def _check_checkpoint_dir(cfg: DictConfig, run_dir: Path) -> list[str]:
     ]
 
 
-def _check_resume(cfg: DictConfig, run_dir: Path) -> list[str]:
-    """The checkpoint `checkpoint.resume` picks must exist, be complete and fit
+def _check_resume(cfg: DictConfig, run_dir: Path, path: Path | None) -> list[str]:
+    """The checkpoint `checkpoint.resume` picks (`path`) must exist, be complete and fit
     this model; and a run must not write over checkpoints it did not resume from."""
-    path = resume_path(cfg.checkpoint, run_dir)
     root = checkpoint_dir(cfg.checkpoint, run_dir)
     existing = complete_checkpoints(root)
     if path is None:

@@ -16,11 +16,11 @@ import os
 from typing import Any
 
 import torch
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from harness.components import target_class
 from harness.config import EXTRA_KEYS, ConfigError, Strategy
+from harness.data import data_source
 from harness.dist import resolve_device, under_torchrun
 from harness.mesh import mesh_shape
 from harness.models import build_model
@@ -59,6 +59,8 @@ def unknown_keys(cfg: DictConfig) -> list[str]:
     Hydra accepts `+group.new_key=...` on a schema'd node without complaint
     (and `OmegaConf.to_object` silently drops it), so it is refused here.
     """
+    from harness.overrides import closest
+
     errors = []
 
     def walk(node: Any, path: str) -> None:
@@ -70,11 +72,18 @@ def unknown_keys(cfg: DictConfig) -> list[str]:
             for key in node.keys():
                 if key not in declared:
                     full = f"{path}.{key}" if path else str(key)
+                    value = node._get_node(key)._value()
+                    typo = closest(str(key), sorted(declared))
+                    plus = f"drop the '+' in '+{full}=...', which adds keys instead of setting them"
+                    fix = (
+                        f"{full[: -len(str(key))]}{typo}={value} (the closest key; {plus})"
+                        if typo
+                        else f"check the spelling, and {plus}"
+                    )
                     errors.append(
-                        f"Unknown config key '{full}' (value {node._get_node(key)._value()!r}): "
+                        f"Unknown config key '{full}' (value {value!r}): "
                         f"'{path or 'config'}' is a {schema.__name__}, which has no key '{key}'. "
-                        f"Valid keys: {', '.join(sorted(declared))}. Fix: check the spelling, "
-                        f"and drop the '+' in '+{full}=...' (it adds keys instead of setting them)."
+                        f"Valid keys: {', '.join(sorted(declared))}. Fix: {fix}."
                     )
         for key in node.keys():
             if not OmegaConf.is_missing(node, key):
@@ -164,9 +173,11 @@ def _check_model_and_data(cfg: DictConfig) -> list[str]:
             errors.append(str(e))
     if data_cls is not None:
         try:
-            instantiate(cfg.data, _partial_=True)(vocab_size=cfg.model.vocab_size, seed=cfg.train.seed)
+            source = data_source(cfg)
         except ValueError as e:
             errors.append(str(e))
+        else:
+            errors += source.eval_errors(cfg.train.eval_every) if hasattr(source, "eval_errors") else []
     return errors
 
 

@@ -120,3 +120,20 @@ def assert_bitwise_equal(a: dict, b: dict) -> None:
 
 def loss_by_step(run_dir: Path) -> dict[int, float]:
     return {row["step"]: row["train/loss"] for row in read_metrics(run_dir) if "train/loss" in row}
+
+
+def check_rank_config(cfg, run_dir, plan) -> None:
+    """A rank's entrypoint for `start_local_ranks` in tests: the config arrived
+    typed (enums, not strings) and in struct mode (a misspelled key raises)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ConfigAttributeError
+
+    from harness.config import CheckpointMode
+
+    assert OmegaConf.is_struct(cfg), "the rank's config is not in struct mode"
+    assert isinstance(cfg.checkpoint.mode, CheckpointMode), f"checkpoint.mode is a {type(cfg.checkpoint.mode)}"
+    try:
+        cfg.train.stepz  # noqa: B018
+    except ConfigAttributeError:
+        return
+    raise AssertionError("reading the misspelled cfg.train.stepz did not fail")

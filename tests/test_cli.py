@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
-from support import FAST, REPO, check_ok, read_metrics, run_cli
+from support import FAST, REPO, check_ok, check_rank_config, read_metrics, run_cli
 from wandb_reader import find_run_files, read_run
 
 pytestmark = pytest.mark.slow
@@ -136,3 +138,36 @@ def test_text_data_on_two_ranks_builds_the_cache_once(tmp_path, cli_env):
     assert len(list((tmp_path / "cache").iterdir())) == 1
     rows = read_metrics(tmp_path / "run")
     assert rows[-1]["train/loss"] < rows[0]["train/loss"]
+
+
+def test_default_job_on_one_rank_trains_synchronously_and_says_so(tmp_path, cli_env):
+    """One GPU starts one rank: the default job's averager has nothing to average
+    there, so it trains synchronously and says so; an averager asked for is refused."""
+    small = ["model=mlp", "train.steps=3", "train.batch_size=4", "train.seq_len=16"]
+    proc = run_cli([*small, "launcher.nproc=1", "hydra.run.dir=run"], cli_env, tmp_path)
+    check_ok(proc)
+    assert proc.stdout.count("nothing to average, so this run trains synchronously (averager=none)") == 1
+    saved = OmegaConf.load(tmp_path / "run" / ".hydra" / "config.yaml")
+    assert saved.averager._target_ is None and saved.sharding.replicate == 1 and saved.launcher.nproc == 1
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 3]  # log steps: the first and the last
+
+    proc = run_cli([*small, "launcher.nproc=1", "averager=periodic", "hydra.run.dir=asked"], cli_env, tmp_path)
+    assert proc.returncode == 2 and "so there is nothing to average" in proc.stderr, proc.stderr
+    assert "Fix: launcher.nproc=2" in proc.stderr and not (tmp_path / "asked").exists()
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_ranks_receive_the_typed_struct_mode_config(method, tmp_path):
+    """What `python train.py` passes its ranks is Hydra's typed config, not plain values
+    (`check_rank_config` fails in a rank for a plain copy, as the second launch shows)."""
+    from harness.config import plain, register_configs
+    from harness.launch import start_local_ranks
+    from harness.plan import plan_run
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        cfg = compose("config", overrides=["model=mlp", f"launcher.start_method={method}"])
+    plan = plan_run(cfg, 2, 2, tmp_path)
+    assert start_local_ranks(cfg, tmp_path, plan, entrypoint=check_rank_config) is None
+    untyped = OmegaConf.create(plain(cfg))
+    assert "(exit 1)" in start_local_ranks(untyped, tmp_path, plan, entrypoint=check_rank_config)

@@ -10,9 +10,11 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from harness.checkpoint import resume_path
 from harness.config import ConfigError, register_configs
 from harness.dist import visible_gpus
 from harness.launch import local_rank_count
+from harness.launch.check import train_one_replica_synchronously
 from harness.mesh import mesh_shape
 from harness.models import build_model
 from harness.preflight import preflight
@@ -47,7 +49,8 @@ def test_default_config_is_valid_at_two_ranks_and_takes_averager_period():
     cfg = make("averager.period=4")
     validate(cfg, world_size=2, gpus=0)
     assert cfg.averager.period == 4 and cfg.launcher.nproc is None
-    assert local_rank_count(cfg) == (visible_gpus() or 2) == cfg.launcher.nproc  # one rank per GPU, else 2
+    assert local_rank_count(cfg) == (visible_gpus() or 2)  # one rank per GPU, else 2
+    assert cfg.launcher.nproc is None  # the user's value: the launcher records the count once the config passes
 
 
 def test_mission_configs_are_valid():
@@ -125,10 +128,10 @@ RULES = [
     (["optimizer._target_=torch.nn.Linear"], 2, 0, ["torch.nn.Linear", "not a torch.optim.Optimizer"]),
     (["sharding=hybrid_shard", "sharding.replicate=3"], 4, 0, ["sharding.replicate=3", "world size 4", "[1, 2, 4]"]),
     (
-        ["sharding=hybrid_shard", "averager=none"],
-        1,
+        ["data=text", "data.eval_fraction=0", "train.eval_every=5"],
+        2,
         0,
-        ["sharding.replicate=null (one replica per node", "world size 1"],
+        ["train.eval_every=5 scores held-out data, but data.eval_fraction=0", "Fix: data.eval_fraction=0.01"],
     ),
     (
         ["sharding=full_shard", "sharding.replicate=2"],
@@ -308,7 +311,7 @@ def fake_checkpoint(step_dir, step: int, **meta):
 def validate_and_preflight(cfg, run_dir) -> None:
     """What `python train.py` checks before any rank starts."""
     validate(cfg, world_size=2, gpus=0)
-    if errors := preflight(cfg, run_dir):
+    if errors := preflight(cfg, run_dir, resume_path(cfg.checkpoint, run_dir)):
         raise ConfigError("\n\n".join(errors))
 
 
@@ -376,8 +379,6 @@ def test_resume_checks_name_the_path_and_the_fix(name, overrides, expected, tmp_
 
 
 def test_resume_auto_picks_the_latest_complete_checkpoint(tmp_path):
-    from harness.checkpoint import resume_path
-
     run = tmp_path / "run"
     cfg = make("checkpoint=sharded")
     assert resume_path(cfg.checkpoint, run) is None
@@ -401,10 +402,26 @@ def test_warmup_past_the_last_step_warns_but_runs():
     assert config_warnings(make()) == [] and config_warnings(make("averager=none", "train.steps=8")) == []
 
 
-@pytest.mark.parametrize("world,local,replicas", [(2, 2, 2), (4, 4, 2), (4, 2, 2), (8, 2, 4), (16, 8, 2)])
+def test_cuda_without_a_gpu_is_one_error_about_the_device_not_the_derived_rank_count():
+    """`launcher.nproc=null` becomes one rank per GPU; with none visible that count is derived,
+    not the user's mistake, so only the device is reported."""
+    if visible_gpus():
+        pytest.skip("a GPU is visible here")
+    cfg, world = make("train.device=cuda"), local_rank_count(make("train.device=cuda"))
+    train_one_replica_synchronously(cfg, world, world, ["train.device=cuda"])  # as the launcher does first
+    with pytest.raises(ConfigError) as info:
+        validate(cfg, world_size=world, gpus=0)
+    assert str(info.value).startswith("train.device=cuda but no CUDA device is visible")
+    assert "launcher.nproc" not in str(info.value) and "\n\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "world,local,replicas", [(1, 1, 1), (3, 3, 1), (2, 2, 2), (4, 4, 2), (4, 2, 2), (8, 2, 4), (16, 8, 2)]
+)
 def test_hybrid_replicas_default_to_one_per_node(world, local, replicas):
-    """sharding.replicate=null: one replica per node (shard within, average across nodes); 2 on one node."""
-    cfg = make("sharding=hybrid_shard")
+    """sharding.replicate=null: one replica per node (shard within, average across nodes); on one
+    node 2 when its ranks split evenly, else 1 (one GPU)."""
+    cfg = make("sharding=hybrid_shard", "averager=none")
     assert cfg.sharding.replicate is None
     validate(cfg, world_size=world, gpus=0, local_world_size=local)
     assert mesh_shape("hybrid_shard", None, world, local) == (replicas, world // replicas)

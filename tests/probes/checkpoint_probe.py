@@ -1,5 +1,5 @@
 """torchrun entry for tests: build a job from overrides, load a checkpoint into
-it with the harness's own `restore`, and write what the model then holds.
+it with the harness's own `Trainer` (which resumes as it starts), and write what the model then holds.
 
 Usage: torchrun --nproc-per-node N tests/probes/checkpoint_probe.py CKPT OUT.pt [hydra overrides...]
 Writes OUT.pt (rank 0): {"model": FQN -> full tensor, "parts": the stateful
@@ -23,7 +23,8 @@ from harness.checkpoint.checkpointer import tensor_state  # noqa: E402
 from harness.config import register_configs  # noqa: E402
 from harness.dist import init_distributed, teardown  # noqa: E402
 from harness.job import build_job  # noqa: E402
-from harness.loop import TrainState, restore  # noqa: E402
+from harness.loop import Trainer  # noqa: E402
+from harness.plan import plan_run  # noqa: E402
 
 
 def main(ckpt: str, out: str, overrides: list[str]) -> None:
@@ -31,12 +32,13 @@ def main(ckpt: str, out: str, overrides: list[str]) -> None:
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         cfg = compose("config", overrides=["wandb.mode=disabled", *overrides])
     env = init_distributed(cfg.train.device, cfg.dist.timeout_s, cfg.dist.threads_per_rank)
-    job, state = build_job(cfg, env), TrainState()
-    restore(job, state, Path(ckpt), env.rank)
+    job = build_job(cfg, env, plan_run(cfg, env.world_size, env.local_world_size, Path(out).parent))
+    with Trainer(job, cfg, env, Path(out).parent, resume_from=Path(ckpt)) as trainer:
+        step = trainer.state.step
     model = gather_full(get_model_state_dict(job.model), keep=env.is_main)
     parts = {name: gather_full(tensor_state(part), keep=env.is_main) for name, part in job.checkpoint_parts().items()}
     if env.is_main:
-        torch.save({"model": model, "parts": parts, "step": state.step, "samples": job.data.samples}, out)
+        torch.save({"model": model, "parts": parts, "step": step, "samples": job.data.samples}, out)
     dist.barrier()
     teardown()
 

@@ -1,4 +1,4 @@
-"""torchrun entry for tests: train with the harness's own `build_job` + `train`,
+"""torchrun entry for tests: train with the harness's own `build_job` + `Trainer`,
 one step at a time, and record after every step which replicas hold
 bit-identical local shards.
 
@@ -19,21 +19,11 @@ from torch.distributed.tensor import DTensor
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from harness.checkpoint import Checkpointer, checkpoint_dir  # noqa: E402
-from harness.config import plain, register_configs  # noqa: E402
+from harness.config import register_configs  # noqa: E402
 from harness.dist import init_distributed, teardown  # noqa: E402
 from harness.job import build_job  # noqa: E402
-from harness.loop import TrainState, train  # noqa: E402
-
-
-class Rows:
-    """A metrics sink that keeps the rows `train` logs."""
-
-    def __init__(self):
-        self.rows = {}
-
-    def log(self, row, step):
-        self.rows[step] = row
+from harness.loop import Trainer  # noqa: E402
+from harness.plan import plan_run  # noqa: E402
 
 
 def local_shards(model) -> torch.Tensor:
@@ -56,24 +46,24 @@ def main(out: str, overrides: list[str]) -> None:
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         cfg = compose("config", overrides=["wandb.mode=disabled", "train.log_every=1", *overrides])
     env = init_distributed(cfg.train.device, cfg.dist.timeout_s, cfg.dist.threads_per_rank)
-    job, sink, state, records = build_job(cfg, env), Rows(), TrainState(), []
-    checkpointer = Checkpointer(
-        cfg.checkpoint, checkpoint_dir(cfg.checkpoint, Path(out).parent), env.rank, env.device, plain(cfg)
-    )  # checkpoint=none: saves nothing
-    total_steps = cfg.train.steps
-    for step in range(1, total_steps + 1):
-        cfg.train.steps = step
-        train(job, sink, cfg.train, env, state, checkpointer)
-        records.append(
-            {
-                "step": step,
-                "same": replica_equality(job),
-                "local_numel": sum(
-                    p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in job.model.parameters()
-                ),
-                **sink.rows[step],
-            }
-        )
+    run_dir = Path(out).parent  # the trainer's metrics.jsonl (every step: train.log_every=1) lands here
+    job = build_job(cfg, env, plan_run(cfg, env.world_size, env.local_world_size, run_dir))
+    records = []
+    with Trainer(job, cfg, env, run_dir) as trainer:  # checkpoint=none: saves nothing
+        for step in range(1, cfg.train.steps + 1):
+            trainer.run(until=step)
+            records.append(
+                {
+                    "step": step,
+                    "same": replica_equality(job),
+                    "local_numel": sum(
+                        p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in job.model.parameters()
+                    ),
+                }
+            )
+    if env.is_main:
+        rows = {row["step"]: row for row in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+        records = [{**rows[r["step"]], **r} for r in records]
     params = {
         name.removeprefix("module."): (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
         for name, p in job.model.named_parameters()

@@ -1,0 +1,98 @@
+"""The config checked against the world it will run in, before any rank starts:
+`check_config` validates and preflights it, plans the run (`RunPlan`), and
+records in the config what it decided, so the ranks and `.hydra/` see it."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from harness.config import ConfigError, NoAveragerConf
+from harness.dist import print_once, resolve_device, under_torchrun, visible_gpus
+from harness.launch.logs import setup_logging
+from harness.mesh import HYBRID, mesh_shape
+from harness.plan import RunPlan, averager_configured, plan_run
+from harness.preflight import preflight
+from harness.validate import config_warnings, validate
+
+log = logging.getLogger("harness")
+
+
+def local_rank_count(cfg: DictConfig) -> int:
+    """The ranks `python train.py` starts: `launcher.nproc`, or when null one per
+    visible GPU when the ranks use CUDA (one when none is visible: `validate`
+    then says that CUDA is missing, not that the rank count is wrong), else 2."""
+    if cfg.launcher.nproc is not None:
+        return cfg.launcher.nproc
+    gpus = visible_gpus()
+    return max(gpus, 1) if resolve_device(cfg.train.device, gpus) == "cuda" else 2
+
+
+def start_method(cfg: DictConfig) -> str:
+    """`launcher.start_method`; auto = spawn for CUDA ranks (a forked child cannot
+    use CUDA once its parent has touched it, whoever did), fork otherwise."""
+    if cfg.launcher.start_method != "auto":
+        return str(cfg.launcher.start_method)
+    return "spawn" if resolve_device(cfg.train.device, visible_gpus()) == "cuda" else "fork"
+
+
+def check_config(cfg: DictConfig, world_size: int, local_world_size: int, run_dir: Path, rank: int) -> RunPlan:
+    """Validate, preflight and plan the run, then on rank 0 set up logging and
+    write `.hydra/`. Raises ConfigError (every broken rule) when it cannot run."""
+    note = train_one_replica_synchronously(cfg, world_size, local_world_size, HydraConfig.get().overrides.task)
+    validate(cfg, world_size, visible_gpus(), local_world_size)
+    plan = plan_run(cfg, world_size, local_world_size, run_dir)
+    if errors := preflight(cfg, run_dir, plan.resume_from):
+        raise ConfigError("\n\n".join(errors))
+    # the config records what the run derived: the local ranks it starts, the replicas of a hybrid mesh
+    if not under_torchrun():
+        cfg.launcher.nproc = world_size
+    if cfg.sharding.strategy in HYBRID:
+        cfg.sharding.replicate = plan.replicate
+    setup_logging(run_dir, rank)
+    if rank == 0:
+        save_hydra_config(cfg, run_dir)
+        for warning in ([note] if note else []) + config_warnings(cfg):
+            log.warning("%s", warning)
+    return plan
+
+
+def refuse(error: ConfigError, world_size: int, rank: int) -> None:
+    """Print why the config cannot run, once per job."""
+    print_once(f"harness: the config cannot run (world size {world_size}):\n\n{error}", rank)
+
+
+def train_one_replica_synchronously(
+    cfg: DictConfig, world_size: int, local_world_size: int, overrides: list[str]
+) -> str | None:
+    """The default job on a layout with one replica (one GPU, one rank) has
+    nothing to average: it trains synchronously instead of being refused, and
+    says so. An averager or layout the user chose is left for `validate` to judge."""
+    chosen = {o.lstrip("+~").split("=", 1)[0].split(".", 1)[0].split("/", 1)[0] for o in overrides}
+    if not averager_configured(cfg) or chosen & {"averager", "method", "experiment", "sharding"}:
+        return None
+    try:
+        replicate, _ = mesh_shape(cfg.sharding.strategy, cfg.sharding.replicate, world_size, local_world_size)
+    except ValueError:
+        return None  # validate names the problem
+    if replicate > 1:
+        return None
+    cfg.averager = OmegaConf.structured(NoAveragerConf)
+    return (
+        f"one replica at world size {world_size} (sharding={cfg.sharding.strategy}): nothing to average, so this "
+        "run trains synchronously (averager=none). For post-local SGD start 2 or more ranks (launcher.nproc=2, "
+        "or torchrun with one rank per GPU)."
+    )
+
+
+def save_hydra_config(cfg: DictConfig, run_dir: Path) -> None:
+    """`.hydra/` as Hydra writes it (config, hydra, overrides), once the config is known to run."""
+    hydra_cfg = HydraConfig.get()
+    out = run_dir / ".hydra"
+    out.mkdir(exist_ok=True)
+    OmegaConf.save(cfg, out / "config.yaml")
+    OmegaConf.save(OmegaConf.create({"hydra": hydra_cfg}), out / "hydra.yaml")
+    OmegaConf.save(hydra_cfg.overrides.task, out / "overrides.yaml")

@@ -1,0 +1,161 @@
+"""A job's local ranks: `start_local_ranks` starts `launcher.nproc` of them
+(fork, or spawn for CUDA) through torch's elastic multiprocessing API and
+waits; each rank runs `train_or_exit`, and a rank that fails says why in torch
+elastic's error file, which the launcher (or torchrun) reads back."""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+from harness.checkpoint import CheckpointError
+from harness.launch.check import start_method
+from harness.launch.exit import exit_now
+from harness.launch.logs import setup_logging
+from harness.loop import NonFiniteLossError, run_rank
+from harness.plan import RunPlan
+
+log = logging.getLogger("harness")
+
+
+def start_local_ranks(cfg: DictConfig, run_dir: Path, plan: RunPlan, entrypoint: Callable | None = None) -> str | None:
+    """Start the plan's ranks of this job, each running `entrypoint(cfg, run_dir,
+    plan)` (`rank_entrypoint`: train; a bench brings its own), and wait for
+    them; what failed, in one line, or None.
+
+    The ranks get `cfg` itself, typed and in struct mode as Hydra composed it
+    (a misspelled key read in a rank fails there as it would here), its
+    interpolations resolved (Hydra's resolvers exist only in this process)."""
+    method = start_method(cfg)
+    log.info("starting %d local ranks (%s; run dir %s)", plan.world_size, method, run_dir)
+    OmegaConf.resolve(cfg)
+    failures = run_local_ranks(entrypoint or rank_entrypoint, (cfg, run_dir, plan), plan.world_size, method)
+    if not failures:
+        return None
+    summary = failure_summary(failures)
+    log.error("training failed: %s; see %s/train.log and %s/logs/", summary, run_dir, run_dir)
+    return summary
+
+
+def failure_summary(failures: dict[int, ProcessFailure]) -> str:
+    """`rank 1 (exit 1), rank 0 (SIGKILL): <why>`, the reason being the first
+    failure a rank recorded (the others usually fail because that rank left)."""
+    ranks = ", ".join(
+        f"rank {r} ({f.signal_name() if f.exitcode < 0 else f'exit {f.exitcode}'})" for r, f in sorted(failures.items())
+    )
+    recorded = sorted((f.timestamp, f.message) for f in failures.values() if f.error_file_data.get("message"))
+    return ranks + (f": {recorded[0][1]}" if recorded else "")
+
+
+def run_local_ranks(
+    entrypoint: Callable, args: tuple, nproc: int, start_method: str = "fork"
+) -> dict[int, ProcessFailure]:
+    """Start `nproc` ranks of `entrypoint(*args)` with torchrun's environment,
+    wait, and stop the rest when one fails; the failures by rank ({} if none).
+
+    The elastic agent (`elastic_launch`) is not used here: it forks ranks while
+    its own store-server thread serves the ranks already started, and c10d
+    formats every socket address with a reverse DNS lookup, so a rank forked
+    while that thread held glibc's resolver lock hung forever in its own
+    lookup (`python bench/launch_hangs.py`). This process has no threads that
+    resolve names when it forks; rank 0 hosts the store, on a free port.
+    `spawn` (for CUDA ranks) starts fresh interpreters, which inherit no locks.
+    """
+    port = free_port()
+    envs = {
+        rank: {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc),
+            "GROUP_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        for rank in range(nproc)
+    }
+    ranks = start_processes(
+        "harness",
+        entrypoint,
+        {rank: args for rank in range(nproc)},
+        envs,
+        DefaultLogsSpecs(),
+        start_method=start_method,
+    )
+    try:
+        result = ranks.wait(period=0.1)
+    finally:
+        ranks.close()  # on failure or Ctrl-C: no rank outlives the job
+    return result.failures
+
+
+def free_port() -> int:
+    """A port free right now (the same small race torch's own launcher accepts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def record_failure(reason: str) -> None:
+    """Why this rank failed, in one line, where the process that started it
+    reads it: torch elastic's error file (`TORCHELASTIC_ERROR_FILE`, set by
+    torchrun and by `run_local_ranks`), as `ProcessFailure.message`."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        Path(path).write_text(json.dumps({"message": reason[:500], "timestamp": int(time.time())}))
+
+
+def rank_entrypoint(cfg: DictConfig, run_dir: Path, plan: RunPlan) -> None:
+    """A locally started rank's process; must live in an importable module for the launcher.
+
+    It leaves through `exit_now` like train.py. A forked rank already does
+    (multiprocessing ends it with `os._exit`), but a spawned one (CUDA) ends in
+    `sys.exit` and would finalize. It cannot leave here, before the launcher has
+    read its return value, so it leaves from an exit handler: the last one
+    registered runs first, before any object is torn down.
+    """
+    setup_logging(run_dir, int(os.environ["RANK"]))
+    code: int | str | None = 1  # an exception: multiprocessing's exit code for it
+    try:
+        train_or_exit(cfg, run_dir, plan)
+        code = 0
+    except SystemExit as e:
+        code = e.code
+        raise
+    finally:
+        atexit.register(exit_now, code)
+
+
+def train_or_exit(cfg: DictConfig, run_dir: Path, plan: RunPlan) -> None:
+    """`run_rank`, with the failures a user can act on reported as one message and exit 1."""
+    try:
+        run_rank(cfg, run_dir, plan)
+    except (CheckpointError, NonFiniteLossError) as e:
+        # with its cause's traceback when it wraps one (a failed save or load), so a bug is not taken for a full disk
+        log.error("%s", e, exc_info=e.__cause__ is not None)
+        record_failure(str(e))
+        sys.exit(1)
+    except Exception as e:
+        if not (isinstance(e, (dist.DistError, RuntimeError)) and "timed out" in str(e).lower()):
+            record_failure(": ".join([type(e).__name__, *str(e).splitlines()[:1]]))
+            raise  # a bug: its traceback is the report
+        message = (
+            f"a collective did not finish within dist.timeout_s={cfg.dist.timeout_s} s ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:200]}): another rank stopped responding or died. Fix: find the failing rank "
+            f"in {run_dir}/logs/ and the launcher's output; raise dist.timeout_s if steps legitimately take longer."
+        )
+        log.error("%s", message)
+        record_failure(message)
+        sys.exit(1)

@@ -1,0 +1,42 @@
+"""What the config and the world decide together, worked out once before any
+rank starts and passed to every rank (torchtitan's `ParallelDims` plays this
+part): the mesh shape, whether replicas train alone between averagings, and
+the checkpoint the run resumes from. Nothing downstream derives these again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from harness.checkpoint import resume_path
+from harness.mesh import mesh_shape
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    world_size: int
+    replicate: int  # replicas on the (replicate, shard) mesh
+    shard: int  # ranks per replica
+    averaging: bool  # an averager runs: replicas train alone between averagings (post-local SGD, DiLoCo)
+    resume_from: Path | None  # the checkpoint `checkpoint.resume` picks, None to start fresh
+
+
+def averager_configured(cfg: DictConfig) -> bool:
+    """`averager` names a class (anything but `averager=none`)."""
+    return cfg.averager.get("_target_") is not None
+
+
+def plan_run(cfg: DictConfig, world_size: int, local_world_size: int, run_dir: Path) -> RunPlan:
+    """The plan for `cfg` on `world_size` ranks (`local_world_size` per node);
+    `cfg` has passed `validate`, so the mesh shape exists."""
+    replicate, shard = mesh_shape(cfg.sharding.strategy, cfg.sharding.replicate, world_size, local_world_size)
+    return RunPlan(
+        world_size=world_size,
+        replicate=replicate,
+        shard=shard,
+        averaging=averager_configured(cfg),
+        resume_from=resume_path(cfg.checkpoint, run_dir),
+    )
