@@ -241,7 +241,7 @@ class DiLoCoAveragerConf:
     is the gradient of one outer-optimizer step; Streaming DiLoCo's fragments
     (arXiv 2501.18512) spread that sync over the period."""
 
-    _target_: str = "harness.diloco.DiLoCoAverager"
+    _target_: str = "harness.averaging.DiLoCoAverager"
     period: int = 16
     warmup_steps: int = 10
     comm_dtype: CommDType = CommDType.float32  # dtype the pseudo-gradients cross replicas in

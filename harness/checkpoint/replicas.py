@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.optim import PostLocalSGDOptimizer
 
+from harness.averaging import local_optimizer
 from harness.dist import local_view
 from harness.job import Job
 from harness.optim import StepInBackward
@@ -47,7 +47,7 @@ def replica_layout(job: Job) -> Layout:
         replica=job.mesh.get_local_rank("replicate"),
         replica_leader=job.mesh.get_local_rank("shard") == 0,
         local_sgd=averager is not None,
-        diverged=averager is not None and averager.step > averager.warmup_steps,
+        diverged=averager is not None and averager.diverged,
     )
 
 
@@ -56,7 +56,7 @@ def inner_optimizer(optimizer) -> torch.optim.Optimizer | list[torch.optim.Optim
     cannot go through them (a fresh one fails in `step(closure=...)`, and its own
     `step` is dropped), so its inner one; for `optimizer.in_backward` the list of
     per-parameter optimizers, which they save and load as one FQN-keyed dict."""
-    optimizer = optimizer.optim if isinstance(optimizer, PostLocalSGDOptimizer) else optimizer
+    optimizer = local_optimizer(optimizer)
     return optimizer.optimizers if isinstance(optimizer, StepInBackward) else optimizer
 
 

@@ -1,0 +1,101 @@
+"""The averagers' one primitive: a bucketed mean of each rank's local shards
+over a replicate (sub)group, in float32 or sent in a narrower dtype."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from harness.dist import local_view, synchronize
+
+BUCKET_BYTES = 64 * 2**20  # cap on one flat all-reduce buffer
+
+
+@torch.no_grad()
+def average_local_shards(params, group: dist.ProcessGroup, comm_dtype: torch.dtype) -> tuple[float, int, float]:
+    """Average the local shards of `params` (tensors or param groups) over `group`, in place.
+
+    Returns (seconds, bytes sent, drift), where drift is how far the members
+    had drifted apart just before: sqrt(sum ||x_r - mean||^2 / sum ||mean||^2)
+    over every rank's shards, from the same buffers (one 2-float all-reduce).
+    """
+    tensors = [local_view(p) for p in _flatten(params)]
+    device = tensors[0].device
+    synchronize(device)  # the clock measures the averaging alone, finished
+    start, nbytes = time.perf_counter(), 0
+    deviation = torch.zeros(2, dtype=torch.float64, device=device)  # [sum dev^2, sum mean^2]
+    for indices in buckets(tensors):
+        bucket = [tensors[i] for i in indices]
+        local = torch.cat([t.reshape(-1) for t in bucket])
+        mean = local.clone()
+        nbytes += mean_over_group(mean, group, comm_dtype)
+        deviation[0] += local.sub_(mean).pow_(2).sum()
+        deviation[1] += mean.square().sum()
+        torch._foreach_copy_(bucket, [m.view_as(t) for m, t in zip(mean.split([t.numel() for t in bucket]), bucket)])
+    synchronize(device)
+    elapsed = time.perf_counter() - start
+    dist.all_reduce(deviation)
+    return elapsed, nbytes, (deviation[0] / deviation[1].clamp_min(1e-30)).sqrt().item()
+
+
+def mean_over_group(flat: torch.Tensor, group: dist.ProcessGroup, comm_dtype: torch.dtype) -> int:
+    """Replace the 1-D `flat` by its mean over `group`; returns the bytes sent.
+
+    In its own dtype: one all-reduce. In a narrower `comm_dtype` (bf16): an
+    all-reduce in that dtype would also *sum* in it, so instead each rank gets
+    its 1/n chunk of every member's copy (all-to-all), sums those in fp32 and
+    all-gathers the means - the reduce-scatter + all-gather of a ring
+    all-reduce, with every byte on the wire in `comm_dtype`.
+    """
+    n = group.size()
+    if comm_dtype == flat.dtype:
+        dist.all_reduce(flat, group=group)
+        flat.div_(n)
+        return flat.numel() * flat.element_size()
+    chunk = -(-flat.numel() // n)
+    sent = torch.zeros(chunk * n, dtype=comm_dtype, device=flat.device)
+    sent[: flat.numel()].copy_(flat)
+    received = torch.empty_like(sent)
+    dist.all_to_all_single(received, sent, group=group)
+    mine = received.view(n, chunk).float().sum(0).div_(n).to(comm_dtype)
+    dist.all_gather_into_tensor(sent, mine, group=group)
+    flat.copy_(sent[: flat.numel()])
+    return flat.numel() * sent.element_size()
+
+
+def _flatten(params) -> list[torch.Tensor]:
+    out = []
+    for p in params:
+        out.extend(p["params"] if isinstance(p, dict) else [p])
+    return out
+
+
+def buckets(tensors: list[torch.Tensor]):
+    """Indices into `tensors`, in runs of one dtype and at most BUCKET_BYTES (or one tensor)."""
+    bucket, nbytes = [], 0
+    for i, t in enumerate(tensors):
+        if bucket and (nbytes + t.numel() * t.element_size() > BUCKET_BYTES or t.dtype != tensors[bucket[0]].dtype):
+            yield bucket
+            bucket, nbytes = [], 0
+        bucket.append(i)
+        nbytes += t.numel() * t.element_size()
+    if bucket:
+        yield bucket
+
+
+def replica_subgroups(mesh: DeviceMesh, group_size: int) -> dist.ProcessGroup:
+    """This rank's group of `group_size` consecutive replicas (same shard index);
+    the replicate group itself when the group holds every replica."""
+    ranks = mesh.mesh  # [replicate, shard] tensor of global ranks
+    if group_size == ranks.shape[0]:
+        return mesh.get_group("replicate")
+    groups = [
+        ranks[first : first + group_size, shard].tolist()
+        for shard in range(ranks.shape[1])
+        for first in range(0, ranks.shape[0], group_size)
+    ]
+    mine, _ = dist.new_subgroups_by_enumeration(groups)
+    return mine

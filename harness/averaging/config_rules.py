@@ -1,0 +1,109 @@
+"""The averagers' config rules (their `config_errors`, which `validate` asks
+before any process group exists): why a config cannot build one, each
+naming the key, its value and the fix. Pure: no process group, no file."""
+
+from __future__ import annotations
+
+import torch
+from omegaconf import DictConfig
+
+from harness.components import target_class
+from harness.models import build_model
+from harness.optim import HARNESS_KEYS
+
+
+def periodic_errors(cfg: DictConfig, replicas: int) -> list[str]:
+    """Why `cfg` (the whole config) cannot average over `replicas` replicas every `averager.period` steps."""
+    return _period_errors(cfg.averager) + _warmup_errors(cfg.averager)
+
+
+def hierarchical_errors(cfg: DictConfig, replicas: int) -> list[str]:
+    cfg = cfg.averager
+    pairs = [list(pair) for pair in cfg.period_group_size]
+    key = f"averager.period_group_size={pairs}".replace(" ", "")
+    example = (
+        f"averager.period_group_size=[[2,2],[8,{replicas}]]" if replicas > 2 else "averager.period_group_size=[[4,2]]"
+    )
+    if not pairs or any(len(pair) != 2 for pair in pairs):
+        return [f"{key} must be a non-empty list of [period, group_size] pairs. Fix: e.g. {example}."]
+    periods, sizes = [p for p, _ in pairs], [g for _, g in pairs]
+    problems = []
+    if any(p < 1 for p in periods) or periods != sorted(set(periods)):
+        problems.append("periods (the first numbers) must be >= 1 and strictly increasing")
+    if any(g < 1 or replicas % g for g in sizes):
+        problems.append(f"every group size must divide the replica count {replicas}")
+    elif any(b % a for a, b in zip(sizes, sizes[1:])):
+        problems.append("each group size must divide the next (groups nest)")
+    if sizes and sizes[-1] != replicas:
+        problems.append(f"the largest period must average all {replicas} replicas (last group size = {replicas})")
+    errors = [f"{key} is not a valid hierarchy: {'; '.join(problems)}. Fix: e.g. {example}."] if problems else []
+    return errors + _warmup_errors(cfg)
+
+
+def diloco_errors(cfg: DictConfig, replicas: int) -> list[str]:
+    avg = cfg.averager
+    errors = periodic_errors(cfg, replicas)
+    outer = avg.outer_optimizer
+    if outer is None:
+        errors.append(
+            "averager.outer_optimizer is not set. Fix: averager/outer_optimizer=nesterov (DiLoCo's Nesterov SGD)."
+        )
+    else:
+        errors += target_class(
+            outer,
+            "averager.outer_optimizer",
+            torch.optim.Optimizer,
+            "torch.optim.Optimizer",
+            ("params",),
+            "nesterov|adamw",
+            HARNESS_KEYS,
+        )[1]
+        if outer.get("in_backward"):
+            errors.append(
+                "averager.outer_optimizer.in_backward=true: the outer optimizer steps at syncs, not in "
+                "backward. Fix: averager.outer_optimizer.in_backward=false (optimizer.in_backward is the "
+                "local optimizer's)."
+            )
+        lr = outer.get("lr")
+        if not isinstance(lr, (int, float)) or lr <= 0:
+            errors.append(
+                f"averager.outer_optimizer.lr={lr!r} must be a positive number. "
+                "Fix: averager.outer_optimizer.lr=0.7 (DiLoCo's)."
+            )
+    f = avg.fragments
+    if f < 1:
+        errors.append(f"averager.fragments={f} is out of range: it must be >= 1. Fix: averager.fragments=1.")
+    elif avg.period >= 1 and avg.period % f:
+        divisors = [d for d in range(1, avg.period + 1) if avg.period % d == 0]
+        errors.append(
+            f"averager.fragments={f} does not divide averager.period={avg.period}: fragments sync at offsets "
+            f"period/fragments apart. Fix: averager.fragments in {divisors}, or a period that is a multiple of {f}."
+        )
+    else:
+        try:
+            blocks = len(getattr(build_model(cfg.model, cfg.train.seq_len), "blocks", []))
+        except ValueError:
+            return errors  # the model's own error is reported by validate
+        if f > max(blocks, 1):
+            errors.append(
+                f"averager.fragments={f} exceeds the model's {blocks} blocks; a fragment is whole blocks. "
+                f"Fix: averager.fragments={max(d for d in range(1, max(blocks, 1) + 1) if avg.period % d == 0)}."
+            )
+    return errors
+
+
+def _period_errors(cfg: DictConfig) -> list[str]:
+    if cfg.period >= 1:
+        return []
+    return [
+        f"averager.period={cfg.period} is out of range: it must be >= 1. Fix: averager.period=4 averages every 4 steps."
+    ]
+
+
+def _warmup_errors(cfg: DictConfig) -> list[str]:
+    if cfg.warmup_steps >= 0:
+        return []
+    return [
+        f"averager.warmup_steps={cfg.warmup_steps} is out of range: it must be >= 0. "
+        "Fix: averager.warmup_steps=0 starts local SGD at once."
+    ]

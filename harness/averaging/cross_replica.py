@@ -1,0 +1,97 @@
+"""Wiring what crosses replicas (gradient hooks, the averager inside
+`PostLocalSGDOptimizer`) and the `cross_replica` checkpoint part: the
+averager's step, the cumulative byte count and the averager's own state."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.optim import PostLocalSGDOptimizer
+
+from harness.averaging.averagers import ReplicaAverager
+from harness.averaging.hooks import count_synchronous_gradients, sync_gradients_during_warmup
+from harness.averaging.traffic import CrossReplicaTraffic
+
+
+def setup_cross_replica(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, mesh: DeviceMesh, cfg: DictConfig
+) -> tuple[torch.optim.Optimizer, CrossReplica | None]:
+    """Wire gradient sync and parameter averaging across replicas for `cfg` (= cfg.averager).
+
+    Returns the optimizer to step (PostLocalSGDOptimizer when averaging) and
+    the object that reports this step's cross-replica figures, or None when
+    the layout has a single replica (nothing crosses replicas).
+    """
+    if mesh["replicate"].size() < 2:
+        return optimizer, None
+    traffic = CrossReplicaTraffic()
+    if cfg.get("_target_") is None:  # averager=none: synchronous
+        count_synchronous_gradients(model, traffic)
+        return optimizer, CrossReplica(traffic, None)
+    # partial first: instantiate would merge (and copy) keyword objects into the config;
+    # not recursive: nested configs (DiLoCo's outer optimizer) are the averager's to build
+    build = instantiate(cfg, _partial_=True, _recursive_=False)
+    wants_model = "model" in inspect.signature(build.func).parameters  # DiLoCo: its own copy of the parameters
+    averager = build(mesh=mesh, traffic=traffic, **({"model": model} if wants_model else {}))
+    ddp_state = sync_gradients_during_warmup(model, mesh, averager, traffic)
+    return PostLocalSGDOptimizer(optim=optimizer, averager=averager), CrossReplica(traffic, averager, ddp_state)
+
+
+def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The local optimizer: the one inside `PostLocalSGDOptimizer` when averaging, else `optimizer` itself."""
+    return optimizer.optim if isinstance(optimizer, PostLocalSGDOptimizer) else optimizer
+
+
+@dataclass
+class CrossReplica:
+    traffic: CrossReplicaTraffic
+    averager: ReplicaAverager | None
+    ddp_state: PostLocalSGDState | None = None  # the DDP hook's own iteration counter
+
+    @property
+    def averaged_this_step(self) -> bool:
+        """The step just taken averaged (or synced) across replicas; reset by `step_metrics`."""
+        return self.traffic.averaged is not None
+
+    def step_metrics(self) -> dict:
+        return self.traffic.step_metrics(self.averager.step if self.averager is not None else None)
+
+    @property
+    def _averager_part(self):
+        return self.averager.checkpoint_part if self.averager is not None else None
+
+    def state_dict(self) -> dict:
+        part = self._averager_part
+        return {
+            "averager_step": self.averager.step if self.averager is not None else None,
+            "cross_replica_bytes_total": self.traffic.total_bytes,
+            **({"averager": part.state_dict()} if part is not None else {}),
+        }
+
+    def tensor_state_dict(self) -> dict:
+        """The averager's own tensors (DiLoCo's outer parameters and state), if any."""
+        part = self._averager_part
+        return part.tensor_state_dict() if part is not None else {}
+
+    def load_tensor_state_dict(self, state: dict | None) -> None:
+        part = self._averager_part
+        if part is not None:
+            part.load_tensor_state_dict(state)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the counters; the checkpoint's global `step` stands in for an
+        averager step it does not have (saved without an averager)."""
+        self.traffic.total_bytes = state.get("cross_replica_bytes_total", 0)
+        if self.averager is not None:
+            self.averager.step = state.get("averager_step") or state["step"]
+            if self.ddp_state is not None:
+                self.ddp_state.iter = self.averager.step
+            part = self._averager_part
+            if part is not None:
+                part.load_state_dict(state.get("averager", {}))

@@ -1,0 +1,302 @@
+"""The arithmetic under the multi-rank runs, checked in one process in a few
+seconds: the averaging schedules and the one warmup test, DiLoCo's fragment
+plan and sync, the byte accounting of the cross-replica mean, gradient
+clipping and the FLOP count.
+
+A world of 4 runs in this process on torch's fake process group, whose
+collectives do nothing: it checks byte counts and buffer shapes, not values.
+Values come from a world of 1 on gloo.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+from torch.distributed.device_mesh import init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from harness import metrics
+from harness.averaging import (
+    CrossReplicaTraffic,
+    DiLoCoAverager,
+    ReplicaAverager,
+    average_local_shards,
+    buckets,
+    collectives,
+    mean_over_group,
+    outer_step,
+    plan_fragments,
+    schedule,
+)
+from harness.models import GPT, TokenMLP
+from harness.optim import clip_grad_norm_
+
+
+@pytest.fixture
+def fake_world_of_4():
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def world_of_1():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def steps_where(rule, steps: int = 17) -> list[int]:
+    return [step for step in range(steps) if rule(step)]
+
+
+# -- schedules ---------------------------------------------------------------------
+
+
+def test_warmup_steps_are_synchronous_and_replicas_diverge_after_the_first_local_step():
+    assert steps_where(lambda s: schedule.synchronous(s, 3)) == [0, 1, 2]
+    assert steps_where(lambda s: schedule.last_synchronous(s, 3)) == [2]
+    assert steps_where(lambda done: not schedule.diverged(done, 3)) == [0, 1, 2, 3]  # after 3 warmup steps: equal
+    assert steps_where(lambda s: schedule.synchronous(s, 0)) == []
+    assert steps_where(lambda s: schedule.last_synchronous(s, 0)) == []
+    assert steps_where(lambda done: not schedule.diverged(done, 0)) == [0]
+
+
+@pytest.mark.parametrize(
+    "period, warmup, expected",
+    [
+        (4, 3, [3, 7, 11, 15]),
+        (1, 0, list(range(17))),
+        (3, 0, [0, 3, 6, 9, 12, 15]),
+        (1, 5, list(range(5, 17))),
+        (16, 2, [2]),
+    ],
+)
+def test_periodic_averages_after_iteration_warmup_plus_k_periods(period, warmup, expected):
+    assert steps_where(lambda s: schedule.periodic_due(s, warmup, period)) == expected
+
+
+def test_hierarchical_averages_within_the_group_of_the_largest_dividing_period():
+    periods = {2: "pairs", 8: "all"}
+    due = {s: schedule.hierarchical_period(s, 3, periods) for s in range(17)}
+    assert {s: p for s, p in due.items() if p is not None} == {4: 2, 6: 2, 8: 8, 10: 2, 12: 2, 14: 2, 16: 8}
+    # without warmup step 0 averages all replicas (0 is divisible by every period), as torch's averager does
+    assert schedule.hierarchical_period(0, 0, periods) == 8
+    assert schedule.hierarchical_period(2, 0, periods) == 2
+
+
+@pytest.mark.parametrize(
+    "fragments, period, warmup, expected",
+    [
+        (1, 4, 2, {2: 0, 6: 0, 10: 0, 14: 0}),
+        (2, 4, 2, {2: 0, 4: 1, 6: 0, 8: 1, 10: 0, 12: 1, 14: 0, 16: 1}),
+        (4, 8, 0, {0: 0, 2: 1, 4: 2, 6: 3, 8: 0, 10: 1, 12: 2, 14: 3, 16: 0}),
+        (4, 4, 1, {s: (s - 1) % 4 for s in range(1, 17)}),
+    ],
+)
+def test_each_fragment_syncs_once_per_period_at_its_offset(fragments, period, warmup, expected):
+    due = {s: schedule.fragment_due(s, warmup, period, fragments) for s in range(17)}
+    assert {s: f for s, f in due.items() if f is not None} == expected
+
+
+def test_one_fragment_syncs_on_the_periodic_schedule():
+    for period, warmup in [(1, 0), (4, 2), (5, 7)]:
+        for s in range(40):
+            assert (schedule.fragment_due(s, warmup, period, 1) == 0) == schedule.periodic_due(s, warmup, period)
+
+
+def test_replica_averager_averages_on_its_schedule_and_reads_the_warmup_test(world_of_1):
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+    traffic = CrossReplicaTraffic()
+    averager = ReplicaAverager(period=2, warmup_steps=3, mesh=mesh, traffic=traffic)
+    param = torch.ones(5)
+    averaged, synchronous, diverged = [], [], []
+    for _ in range(8):
+        synchronous.append(averager.synchronous)
+        averager.average_parameters([param])
+        averaged.append(traffic.step_metrics(averager.step)[metrics.AVERAGER_AVERAGED])
+        diverged.append(averager.diverged)
+    assert synchronous == [True] * 3 + [False] * 5
+    assert averaged == [0, 0, 0, 1, 0, 1, 0, 1]  # after iterations 3, 5, 7
+    assert diverged == [False] * 3 + [True] * 5  # after 4 steps, one of them local
+
+
+# -- DiLoCo's fragments and sync ---------------------------------------------------
+
+
+def tiny_mlp() -> TokenMLP:
+    # units by size: 4 blocks of 296 (ln 16, fc 8*16+16, out_proj 16*8+8), tok_emb 256, head 256, ln_f 16
+    with torch.device("meta"):
+        return TokenMLP(n_layer=4, d_model=8, hidden=16, vocab_size=32)
+
+
+def fragment_units(model: torch.nn.Module, plan: list[list[int]]) -> list[set[str]]:
+    """Each fragment as the set of units it holds (`blocks.2`, `head`, ...)."""
+    names = [n for n, _ in model.named_parameters()]
+    unit = lambda name: ".".join(name.split(".")[:2]) if name.startswith("blocks.") else name.split(".")[0]  # noqa: E731
+    return [{unit(names[i]) for i in fragment} for fragment in plan]
+
+
+@pytest.mark.parametrize(
+    "count, expected",
+    [
+        (1, [{"tok_emb", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "ln_f", "head"}]),
+        # largest unit first onto the lightest fragment (the first of equals)
+        (2, [{"blocks.0", "blocks.2", "tok_emb", "ln_f"}, {"blocks.1", "blocks.3", "head"}]),
+        (4, [{"blocks.0", "tok_emb"}, {"blocks.1", "head"}, {"blocks.2", "ln_f"}, {"blocks.3"}]),
+    ],
+)
+def test_plan_fragments_balances_whole_units(count, expected):
+    model = tiny_mlp()
+    plan = plan_fragments(model, count)
+    assert fragment_units(model, plan) == expected
+    units = [u for fragment in fragment_units(model, plan) for u in fragment]
+    assert len(units) == len(set(units))  # a unit is never split across fragments
+    assert sorted(i for fragment in plan for i in fragment) == list(range(len(list(model.parameters()))))
+    assert all(fragment == sorted(fragment) for fragment in plan)  # indices in model order
+    assert plan == plan_fragments(tiny_mlp(), count)  # deterministic
+
+
+def test_plan_fragments_of_a_gpt_is_balanced_to_within_its_largest_unit():
+    with torch.device("meta"):
+        model = GPT(n_layer=6, n_head=2, d_model=16, vocab_size=64, seq_len=32)
+    params = list(model.parameters())
+    largest_unit = max(
+        sum(p.numel() for p in unit.parameters()) for unit in [*model.blocks, model.tok_emb, model.pos_emb, model.head]
+    )
+    for count in (2, 3, 4):
+        plan = plan_fragments(model, count)
+        sizes = [sum(params[i].numel() for i in fragment) for fragment in plan]
+        assert sum(sizes) == sum(p.numel() for p in params)
+        assert max(sizes) - min(sizes) <= largest_unit, sizes
+
+
+def test_outer_step_moves_outer_by_the_mean_pseudo_gradient(world_of_1):
+    local = [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([[4.0, 5.0]])]
+    outer = [torch.tensor([3.0, 2.0, 1.0]), torch.tensor([[0.0, 5.0]])]
+    optimizer = torch.optim.SGD(outer, lr=0.5)
+    nbytes, sums = outer_step(local, outer, optimizer, dist.group.WORLD, torch.float32)
+    # one replica: mean Δ = Δ = outer - local; outer ← outer - 0.5 Δ; local ← outer
+    expected = [torch.tensor([2.0, 2.0, 2.0]), torch.tensor([[2.0, 5.0]])]
+    for t, e in zip([*outer, *local], [*expected, *expected]):
+        torch.testing.assert_close(t, e, rtol=0, atol=0)
+    assert all(t.grad is None for t in outer)
+    assert nbytes == 5 * 4
+    # [Σ‖θ_local - mean θ_local‖², Σ‖mean θ_local‖², Σ‖mean Δ‖²] before the step
+    assert sums.tolist() == [0.0, 1 + 4 + 9 + 16 + 25, 4 + 0 + 4 + 16 + 0]
+
+
+# -- the cross-replica mean: bytes and values ---------------------------------------
+
+
+@pytest.mark.parametrize("numel, chunk", [(10, 3), (8, 2), (1, 1)])
+def test_mean_over_group_counts_bytes_in_the_dtype_sent(fake_world_of_4, monkeypatch, numel, chunk):
+    assert mean_over_group(torch.ones(numel), fake_world_of_4, torch.float32) == numel * 4
+    assert mean_over_group(torch.ones(numel, dtype=torch.float64), fake_world_of_4, torch.float64) == numel * 8
+    exchanged = []
+    all_to_all, all_gather = dist.all_to_all_single, dist.all_gather_into_tensor
+    monkeypatch.setattr(
+        dist, "all_to_all_single", lambda out, inp, **kw: exchanged.append(inp) or all_to_all(out, inp, **kw)
+    )
+    monkeypatch.setattr(
+        dist, "all_gather_into_tensor", lambda out, inp, **kw: exchanged.append(inp) or all_gather(out, inp, **kw)
+    )
+    # bf16: exactly half, counted from the tensor's own elements, not the padding to 4 equal chunks
+    assert mean_over_group(torch.ones(numel), fake_world_of_4, torch.bfloat16) == numel * 2
+    sent, mine = exchanged
+    assert (sent.dtype, sent.numel()) == (torch.bfloat16, 4 * chunk)  # every member's chunk, padded
+    assert (mine.dtype, mine.numel()) == (torch.bfloat16, chunk)  # this rank's summed chunk
+
+
+def test_average_local_shards_counts_every_bucket(fake_world_of_4, monkeypatch):
+    monkeypatch.setattr(collectives, "BUCKET_BYTES", 64)  # 16 float32 per bucket
+    params = [torch.ones(10), torch.ones(10), torch.ones(3, 5), torch.ones(7, dtype=torch.float64)]
+    assert list(buckets(params)) == [[0], [1], [2], [3]]
+    _, nbytes, _ = average_local_shards(
+        [{"params": params[:2]}, {"params": params[2:]}], fake_world_of_4, torch.float32
+    )
+    assert nbytes == (10 + 10 + 15 + 7) * 4  # in the dtype sent: the float64 bucket crosses as float32
+    _, nbytes, _ = average_local_shards(params[:3], fake_world_of_4, torch.bfloat16)
+    assert nbytes == (10 + 10 + 15) * 2
+
+
+def test_buckets_are_runs_of_one_dtype_up_to_the_cap(monkeypatch):
+    monkeypatch.setattr(collectives, "BUCKET_BYTES", 64)
+    sizes = [(4, torch.float32), (2, torch.bfloat16), (8, torch.float32), (8, torch.float32), (1, torch.float32)]
+    tensors = [torch.ones(n, dtype=dtype) for n, dtype in sizes] + [torch.ones(40)]
+    assert list(buckets(tensors)) == [[0], [1], [2, 3], [4], [5]]  # 16 floats fit, 17 do not; too big goes alone
+
+
+def test_mean_over_a_world_of_one_keeps_the_values(world_of_1):
+    x = torch.randn(11, generator=torch.Generator().manual_seed(0))
+    y = x.clone()
+    assert mean_over_group(y, world_of_1, torch.float32) == 44
+    torch.testing.assert_close(y, x, rtol=0, atol=0)
+    assert mean_over_group(y, world_of_1, torch.bfloat16) == 22
+    torch.testing.assert_close(y, x.bfloat16().float(), rtol=0, atol=0)  # rounded to bf16 on the wire, once
+    params = [x.clone(), x[:4].clone()]
+    time_s, nbytes, drift = average_local_shards(params, world_of_1, torch.float32)
+    assert (nbytes, drift) == (15 * 4, 0.0) and time_s >= 0
+    torch.testing.assert_close(params[0], x, rtol=0, atol=0)
+
+
+# -- gradient clipping ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("max_norm", [0.0, 0.5, 1e6])
+def test_clip_grad_norm_matches_torch(max_norm):
+    gen = torch.Generator().manual_seed(1)
+    shapes = [(3, 4), (5,), (2, 2, 2)]
+    ours = [torch.zeros(s, requires_grad=True) for s in shapes] + [torch.zeros(3, requires_grad=True)]  # no grad
+    theirs = [torch.zeros(s, requires_grad=True) for s in shapes]
+    for a, b in zip(ours, theirs):
+        a.grad = torch.randn(a.shape, generator=gen)
+        b.grad = a.grad.clone()
+    norm = clip_grad_norm_(ours, max_norm)
+    expected = torch.nn.utils.clip_grad_norm_(theirs, max_norm if max_norm > 0 else float("inf"))
+    torch.testing.assert_close(norm, expected)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.grad, b.grad)
+    if max_norm == 0.5:
+        total = torch.cat([a.grad.reshape(-1) for a in ours[:3]]).norm()
+        torch.testing.assert_close(total, torch.tensor(0.5), rtol=1e-5, atol=0)
+
+
+# -- FLOP count --------------------------------------------------------------------
+
+
+def test_gpt_flops_per_token_follow_the_shapes():
+    n_layer, d, vocab, seq_len = 3, 16, 64, 32
+    with torch.device("meta"):
+        model = GPT(n_layer=n_layer, n_head=4, d_model=d, vocab_size=vocab, seq_len=seq_len)
+    matmul_weights = n_layer * (3 * d * d + d * d + 4 * d * d + 4 * d * d) + vocab * d  # qkv, out, fc, out; head
+    biases = n_layer * (3 * d + d + 4 * d + d)
+    norms = n_layer * 2 * 2 * d + 2 * d  # every non-embedding parameter counts, as in torchtitan
+    attention = 12 * n_layer * d * seq_len
+    assert model.flops_per_token(seq_len) == 6 * (matmul_weights + biases + norms) + attention
+
+
+def test_mlp_flops_per_token_have_no_attention_term():
+    n_layer, d, hidden, vocab = 2, 8, 24, 32
+    with torch.device("meta"):
+        model = TokenMLP(n_layer=n_layer, d_model=d, hidden=hidden, vocab_size=vocab)
+    weights = n_layer * (2 * d + d * hidden + hidden + hidden * d + d) + 2 * d + vocab * d
+    assert model.flops_per_token(128) == 6 * weights
+
+
+def test_diloco_config_rules_report_every_broken_rule():
+    cfg = OmegaConf.create(
+        {
+            "averager": {"period": 4, "warmup_steps": -1, "fragments": 3, "outer_optimizer": None},
+            "model": {"_target_": "harness.models.TokenMLP", "n_layer": 2, "d_model": 8, "hidden": 8, "vocab_size": 8},
+            "train": {"seq_len": 8},
+        }
+    )
+    errors = DiLoCoAverager.config_errors(cfg, 2)
+    assert [e.split(" ")[0] for e in errors] == [
+        "averager.warmup_steps=-1",
+        "averager.outer_optimizer",
+        "averager.fragments=3",
+    ]
