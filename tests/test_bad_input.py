@@ -1,5 +1,6 @@
 """Bad input through the real CLI: exit code != 0, one paragraph naming the
-key/value/path and the fix, and nothing written or overwritten."""
+key/value/path and the fix, and nothing written or overwritten; and the
+paragraphs for overrides Hydra cannot compose (`harness.overrides`), in-process."""
 
 from __future__ import annotations
 
@@ -12,7 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from support import FAST, TRAIN, run_cli
+from harness.config import register_configs
+from harness.overrides import closest, override_errors
+
+from support import FAST, REPO, TRAIN, run_cli
+
+register_configs()
 
 MODEL = {"name": "gpt", "n_layer": 4, "n_head": 4, "d_model": 128, "vocab_size": 256}  # conf/model/gpt.yaml
 BASE = [o for o in FAST if not o.startswith("model=")]  # the default model: gpt
@@ -31,12 +37,12 @@ def snapshot(root: Path) -> dict:
 
 
 # (id, overrides, texts the message must contain); {tmp} is the test's tmp dir,
-# {run} the run dir. Hydra's own composition errors name the key but have no "Fix:".
+# {run} the run dir.
 CASES = [
-    ("typo", ["train.stepz=3"], ["Key 'stepz' not in 'TrainConf'"]),
-    ("wrong type", ["averager.period=abc"], ["'abc'", "averager.period"]),
-    ("plus unknown key", ["+averager.perod=4"], ["Unknown config key 'averager.perod'", "Fix:"]),
-    ("unknown group option", ["optimizer=sgdd"], ["Could not find 'optimizer/sgdd'", "Available options"]),
+    ("typo", ["train.stepz=3"], ["train.stepz=3", "Fix: train.steps=3 (the closest key)"]),
+    ("wrong type", ["averager.period=abc"], ["averager.period=abc", "takes an integer", "Fix:"]),
+    ("plus unknown key", ["+averager.perod=4"], ["Unknown config key 'averager.perod'", "Fix: averager.period=4"]),
+    ("unknown group option", ["optimizer=sgdd"], ["optimizer=sgdd", "Fix: optimizer=sgd", "adam|adamw|sgd"]),
     ("zero steps", ["train.steps=0"], ["train.steps=0", "Fix:"]),
     ("negative steps", ["train.steps=-5"], ["train.steps=-5", "Fix:"]),
     ("zero period", ["averager.period=0"], ["averager.period=0", "Fix:"]),
@@ -54,7 +60,7 @@ CASES = [
     ("heads not dividing width", ["model.n_head=3"], ["model.d_model=128 is not divisible by model.n_head=3", "Fix:"]),
     ("cuda without cuda", ["train.device=cuda"], ["train.device=cuda", "Fix:"]),
     ("async full checkpoint", ["checkpoint=full", "checkpoint.async=true"], ["needs checkpoint=sharded", "Fix:"]),
-    ("unknown nonfinite policy", ["train.nonfinite=sometimes"], ["train.nonfinite", "expected one of [error, skip]"]),
+    ("unknown nonfinite policy", ["train.nonfinite=sometimes"], ["train.nonfinite=sometimes", "error|skip", "Fix:"]),
     (
         "text glob matches nothing",
         ["data=text", "data.root={tmp}", "data.glob=*.nothing"],
@@ -146,3 +152,99 @@ def test_disk_full_during_a_save_fails_clearly_and_keeps_the_previous_checkpoint
     assert snapshot(run / "checkpoints" / "step_2") == before
     assert "Traceback" in (run / "train.log").read_text(), "the failed save's traceback is kept in train.log"
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2", "step_4.partial"]
+
+
+def composition_errors(*args: str) -> list[str]:
+    return override_errors(["train.py", *args], REPO / "conf")
+
+
+# (command line, the paragraph it gets)
+COMPOSITION = [
+    (
+        ["train.stepz=3"],
+        "harness: train.stepz=3: 'train' (TrainConf) has no key 'stepz'. Fix: train.steps=3 (the closest key).",
+    ),
+    (["steps=3"], "harness: steps=3: the config has no key 'steps'. Fix: train.steps=3 (the closest key)."),
+    (
+        ["model.foo=1"],
+        "harness: model.foo=1: 'model' (GPTConf) has no key 'foo'. "
+        "Fix: one of the keys of model: _target_, n_layer, n_head, d_model, vocab_size, dropout.",
+    ),
+    (["train.steps=abc"], "harness: train.steps=abc: train.steps takes an integer. Fix: train.steps=200, for example."),
+    (
+        ["sharding.replicate=two"],
+        "harness: sharding.replicate=two: sharding.replicate takes an integer or null. "
+        "Fix: sharding.replicate=1, for example.",
+    ),
+    (["wandb.tags=abc"], "harness: wandb.tags=abc: wandb.tags takes a list. Fix: wandb.tags=[a,b], for example."),
+    (
+        ["train.device=gpu"],
+        "harness: train.device=gpu: train.device must be one of auto|cpu|cuda. Fix: one of train.device=auto|cpu|cuda.",
+    ),
+    (
+        ["train.nonfinite=skp"],
+        "harness: train.nonfinite=skp: train.nonfinite must be one of error|skip. "
+        "Fix: train.nonfinite=skip (the closest value), or one of train.nonfinite=error|skip.",
+    ),
+    (
+        ["optimizer=sgdd"],
+        "harness: optimizer=sgdd: config group optimizer has no option 'sgdd' (its options are the files in "
+        "conf/optimizer/). Fix: optimizer=sgd (the closest option), or one of optimizer=adam|adamw|sgd.",
+    ),
+    (
+        ["averager=diloco", "averager/outer_optimizer=nesterv"],
+        "harness: averager/outer_optimizer=nesterv: config group averager/outer_optimizer has no option 'nesterv' "
+        "(its options are the files in conf/averager/outer_optimizer/). Fix: averager/outer_optimizer=nesterov "
+        "(the closest option), or one of averager/outer_optimizer=adamw|nesterov.",
+    ),
+    (
+        ["+train.steps=5"],
+        "harness: +train.steps=5: train.steps is already in the config, and '+' adds a key that is not. "
+        "Fix: train.steps=5 (without the '+').",
+    ),
+    (
+        ["train.steps=1,2"],
+        "harness: train.steps=1,2 is a sweep over several values, which needs -m. Fix: `python train.py -m ... "
+        "train.steps=1,2` runs one job per value; train.steps=[1,2] is a list, train.steps='1,2' a string.",
+    ),
+    (["train.steps"], "harness: the override 'train.steps' cannot be parsed (missing EQUAL at '<EOF>')."),
+    (["-m", "averager.period=2,4,x"], "harness: averager.period=x: averager.period takes an integer."),
+    (
+        ["-m", "averager=periodic,none", "averager.period=8"],
+        "harness: in the sweep's job with averager=none: averager.period=8: 'averager' (NoAveragerConf) has no "
+        "key 'period'. Fix: one of the keys of averager: _target_.",
+    ),
+]
+
+
+@pytest.mark.parametrize("args,paragraph", COMPOSITION, ids=[" ".join(c[0]) for c in COMPOSITION])
+def test_composition_errors_get_one_paragraph_with_the_fix(args, paragraph):
+    [error] = composition_errors(*args)
+    assert error.startswith(paragraph), error
+    assert "\n" not in error and "Fix: " in error
+    assert "+" + args[-1] not in error, "suggests adding the key given (which validate refuses)"
+
+
+def test_every_bad_override_is_reported_at_once():
+    errors = composition_errors("optimizer=sgdd", "optimizer.lr=abc", "train.stepz=3", "train.device=tpu")
+    # optimizer.lr cannot be checked against an option that does not exist
+    assert [e.split(":")[1].strip() for e in errors] == ["optimizer=sgdd", "train.stepz=3", "train.device=tpu"]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        [],
+        FAST,
+        ["-m", "optimizer=glob(*)", "averager.period=2,4", "train.steps=range(1,3)"],
+        ["hydra.foo=1"],  # Hydra's own keys keep Hydra's own message, from its run
+        ["--help", "train.stepz=3"],  # Hydra's help, not a run
+    ],
+)
+def test_composable_commands_and_hydra_s_own_pass(args):
+    assert composition_errors(*args) == []
+
+
+def test_closest_is_a_typo_not_a_guess():
+    assert closest("stepz", ["seed", "steps", "seq_len"]) == "steps"
+    assert closest("gpu", ["auto", "cpu", "cuda"]) is None

@@ -553,3 +553,17 @@ def test_a_new_model_is_a_class_and_a_yaml_file(tmp_path):
         validate(
             make(f"hydra.searchpath=[file://{tmp_path}]", "model=wide_mlp", "model.n_layer=0"), world_size=2, gpus=0
         )
+
+
+@pytest.mark.parametrize(
+    "override,fix",
+    [
+        ("+train.stepz=3", "Fix: train.steps=3 (the closest key; drop the '+' in '+train.stepz=...'"),
+        ("+averager.perod=4", "Fix: averager.period=4 (the closest key; drop the '+' in '+averager.perod=...'"),
+        ("+train.xyz=3", "Fix: check the spelling, and drop the '+' in '+train.xyz=...'"),
+    ],
+)
+def test_an_added_unknown_key_names_the_closest_key(override, fix):
+    with pytest.raises(ConfigError) as info:
+        validate(make(override), world_size=2, gpus=0)
+    assert fix in str(info.value), info.value
