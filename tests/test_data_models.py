@@ -14,9 +14,16 @@ from harness.models import build_model, materialize
 CPU = torch.device("cpu")
 
 
+def run_config(data: dict, batch_size: int, seed: int):
+    """The keys `build_data` reads from a run's config."""
+    return OmegaConf.create(
+        {"data": data, "model": {"vocab_size": 256}, "train": {"batch_size": batch_size, "seq_len": 16, "seed": seed}}
+    )
+
+
 def stream(world_size: int, rank: int, batch_size: int) -> TokenStream:
-    cfg = OmegaConf.create({"_target_": "harness.data.SyntheticTokens", "noise": 0.1})
-    return build_data(cfg, 256, batch_size, 16, seed=3, rank=rank, world_size=world_size, device=CPU)
+    cfg = run_config({"_target_": "harness.data.SyntheticTokens", "noise": 0.1}, batch_size, seed=3)
+    return build_data(cfg, rank=rank, world_size=world_size, device=CPU)
 
 
 def test_ranks_read_disjoint_slices_whose_union_is_the_single_process_batch():
@@ -82,7 +89,7 @@ def test_text_corpus_is_cached_once_and_windows_do_not_overlap(tmp_path):
     mtime = cached.stat().st_mtime_ns
     source.open()
     assert cached.stat().st_mtime_ns == mtime  # reused, not rebuilt
-    s = build_data(cfg, 256, 4, 16, seed=0, rank=0, world_size=1, device=CPU)
+    s = build_data(run_config(cfg, batch_size=4, seed=0), rank=0, world_size=1, device=CPU)
     windows = torch.cat([s.next_batch()[0] for _ in range(10)])
     assert len({tuple(w.tolist()) for w in windows}) == 40  # 40 distinct windows of the stream
     held_out = {tuple(w.tolist()) for k in range(4) for w in s.eval_batch(k)[0]}
