@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from harness import sinks
 from harness.components import target_class
 from harness.config import EXTRA_KEYS, ConfigError, Strategy
 from harness.data import data_source
@@ -37,6 +38,7 @@ def validate(cfg: DictConfig, world_size: int, gpus: int, local_world_size: int 
     errors += _check_in_backward(cfg)
     errors += _check_sharding_and_averager(cfg, world_size, local_world_size)
     errors += _check_checkpoint(cfg)
+    errors += sinks.config_errors(cfg)
     if errors:
         raise ConfigError("\n\n".join(errors))
 
