@@ -125,7 +125,7 @@ class TrainConf:
     nonfinite: NonFinite = NonFinite.error  # NaN/inf loss or gradients
     compile: bool = False  # torch.compile each block (as torchtitan does)
     # peak dense bf16 TFLOP/s of one device, for train/mfu; null = looked up
-    # from the GPU's name (harness.metrics.PEAK_TFLOPS), none on CPU
+    # from the GPU's name (harness.throughput.PEAK_TFLOPS), none on CPU
     peak_tflops: Optional[float] = None
     eval_every: int = 0  # steps between eval/loss passes on the held-out data (and one at the end); 0 = none
     eval_batches: int = 4  # batches of train.batch_size sequences per eval pass, the same ones every time
@@ -204,6 +204,42 @@ class AdamConf:
 class AdamWConf(AdamConf):
     _target_: str = "torch.optim.AdamW"
     weight_decay: float = 0.01
+
+
+# --- learning-rate schedule (harness.lr_schedules) -------------------------------
+
+
+@dataclass
+class ConstantLRConf:
+    _target_: str = "harness.lr_schedules.Constant"
+    _partial_: bool = True
+
+
+@dataclass
+class WarmupCosineLRConf:
+    _target_: str = "harness.lr_schedules.WarmupCosine"
+    _partial_: bool = True
+    warmup_steps: int = 20  # linear warmup from optimizer.lr / warmup_steps up to optimizer.lr
+    min_lr_ratio: float = 0.1  # cosine decay to this fraction of optimizer.lr at the last step
+
+
+@dataclass
+class WSDLRConf:
+    _target_: str = "harness.lr_schedules.WarmupStableDecay"
+    _partial_: bool = True
+    warmup_steps: int = 20
+    decay_fraction: float = 0.2  # the last 20 % of train.steps decay linearly ...
+    min_lr_ratio: float = 0.0  # ... to this fraction of optimizer.lr
+
+
+@dataclass
+class StepLRConf:
+    """Multi-step decay (the post-local SGD paper's schedule): optimizer.lr × gamma after each milestone."""
+
+    _target_: str = "torch.optim.lr_scheduler.MultiStepLR"
+    _partial_: bool = True
+    milestones: List[int] = field(default_factory=lambda: [100, 150])  # steps after which the lr decays
+    gamma: float = 0.1
 
 
 # --- averager -------------------------------------------------------------------
@@ -317,6 +353,7 @@ class Config:
     model: Any = None
     data: Any = None
     optimizer: Any = None
+    lr_scheduler: Any = None
     averager: Any = None
     sharding: Any = None
     checkpoint: Any = None
@@ -331,6 +368,12 @@ SCHEMAS = {
     "model": {"gpt": GPTConf, "mlp": MLPConf},
     "data": {"synthetic": SyntheticDataConf, "text": TextDataConf},
     "optimizer": {"sgd": SGDConf, "adam": AdamConf, "adamw": AdamWConf},
+    "lr_scheduler": {
+        "constant": ConstantLRConf,
+        "warmup_cosine": WarmupCosineLRConf,
+        "wsd": WSDLRConf,
+        "step": StepLRConf,
+    },
     "averager": {
         "none": NoAveragerConf,
         "periodic": PeriodicAveragerConf,

@@ -9,9 +9,10 @@ import torch
 from omegaconf import DictConfig
 from torch.distributed.device_mesh import DeviceMesh
 
-from harness.averaging import CrossReplica, setup_cross_replica
+from harness.averaging import CrossReplica, local_optimizer, setup_cross_replica
 from harness.data import TokenStream, build_data
 from harness.dist import DistEnv
+from harness.lr_schedules import LRSchedule, build_lr_schedule
 from harness.mesh import build_mesh
 from harness.models import build_model
 from harness.optim import StepInBackward, build_local_optimizer
@@ -57,17 +58,21 @@ class Job:
     data: TokenStream
     mesh: DeviceMesh
     cross_replica: CrossReplica | None  # None when there is a single replica
+    lr_schedule: LRSchedule  # the local optimizer's learning rate, stepped after each optimizer step
     flops_per_token: float  # training FLOPs of the model per token, for train/mfu
 
     @property
     def steps_in_backward(self) -> bool:
         """The local optimizer steps each parameter during backward (`optimizer.in_backward`)."""
-        optimizer = getattr(self.optimizer, "optim", self.optimizer)  # inside PostLocalSGDOptimizer
-        return isinstance(optimizer, StepInBackward)
+        return isinstance(local_optimizer(self.optimizer), StepInBackward)
 
     def checkpoint_parts(self) -> dict[str, Stateful]:
         """The stateful parts a checkpoint keeps next to model, optimizer and RNG states."""
-        return {"data": self.data, "cross_replica": self.cross_replica or _NoState()}
+        return {
+            "data": self.data,
+            "cross_replica": self.cross_replica or _NoState(),
+            "lr_scheduler": self.lr_schedule,
+        }
 
 
 def build_job(cfg: DictConfig, env: DistEnv, plan: RunPlan) -> Job:
@@ -80,6 +85,7 @@ def build_job(cfg: DictConfig, env: DistEnv, plan: RunPlan) -> Job:
         compile_blocks(model)
     model = apply_sharding(model, mesh, cfg.sharding, env.device, cfg.train.seed, replicas_train_alone=plan.averaging)
     optimizer = build_local_optimizer(cfg.optimizer, model.parameters(), env.device)
-    optimizer, cross_replica = setup_cross_replica(model, optimizer, mesh, cfg.averager)
+    lr_schedule = build_lr_schedule(cfg.lr_scheduler, optimizer, cfg.train.steps)
+    optimizer, cross_replica = setup_cross_replica(model, optimizer, mesh, cfg.averager, plan.averaging)
     data = build_data(cfg, env.rank, env.world_size, env.device)
-    return Job(model, optimizer, data, mesh, cross_replica, flops_per_token)
+    return Job(model, optimizer, data, mesh, cross_replica, lr_schedule, flops_per_token)

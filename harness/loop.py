@@ -71,7 +71,9 @@ class Trainer:
         self.checkpointer = Checkpointer(
             cfg.checkpoint, checkpoint_dir(cfg.checkpoint, run_dir), env.rank, env.device, run_config
         )
-        self.sink = MetricsSink(run_dir, cfg.wandb, run_config, enabled=env.is_main)
+        self.sink = MetricsSink(
+            run_dir, cfg.wandb, run_config, enabled=env.is_main, tensorboard=cfg.metrics.tensorboard
+        )
         self.state = TrainState()
         if resume_from is not None:
             self.restore(resume_from)
@@ -123,11 +125,13 @@ class Trainer:
             else:
                 skip_nonfinite_step(cfg.nonfinite, step, job.steps_in_backward)  # raises unless train.nonfinite=skip
             job.optimizer.zero_grad(set_to_none=True)
+            lr = job.lr_schedule.lr  # the rate this step trained at, for the log
+            job.lr_schedule.step()  # the learning rate is a function of the step, skipped steps included
             state.step = step
-            self._after_step(step, log_step, loss, grad_norm, finite)
+            self._after_step(step, log_step, loss, grad_norm, lr, finite)
 
     def _after_step(
-        self, step: int, log_step: bool, loss: torch.Tensor, grad_norm: torch.Tensor | None, finite: bool
+        self, step: int, log_step: bool, loss: torch.Tensor, grad_norm: torch.Tensor | None, lr: float, finite: bool
     ) -> None:
         """Eval and checkpoint when due; log this step's row on log steps and on
         steps where something happened (averaging, eval, a save, a skipped step)."""
@@ -142,11 +146,11 @@ class Trainer:
         if not finite:
             row[metrics.TRAIN_SKIPPED_NONFINITE] = 1
         if log_step:
-            row.update(self._progress(step, loss, grad_norm))
+            row.update(self._progress(step, loss, grad_norm, lr))
         if log_step or averaged or evaluated or saved or not finite:
             self.sink.log(row, step)
 
-    def _progress(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> dict:
+    def _progress(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | None, lr: float) -> dict:
         """Loss, speed and memory since the previous log step; rank 0 prints a line."""
         mean_loss = mean_over_ranks(loss)  # also waits for the device, so the clock below is honest
         since, since_step = self._clock
@@ -154,7 +158,7 @@ class Trainer:
         tokens_per_s = self.cfg.batch_size * self.cfg.seq_len * self.env.world_size / step_time
         row = {
             metrics.TRAIN_LOSS: mean_loss,
-            metrics.TRAIN_LR: self.job.optimizer.param_groups[0]["lr"],
+            metrics.TRAIN_LR: lr,
             metrics.TRAIN_STEP_TIME: step_time,
             metrics.TRAIN_TOKENS_PER_S: tokens_per_s,
             **memory_metrics(self.env.device),

@@ -87,9 +87,10 @@ class TokenLM(nn.Module):
         self.head = nn.Linear(d_model, vocab_size, bias=False)
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token, torchtitan's count: 6 per weight of every
-        matmul (embedding lookups are not matmuls) plus causal attention's
-        12 * layers * d_model * seq_len."""
+        """Training FLOPs per token, torchtitan's count: 6 per parameter outside
+        the embeddings (lookups are not matmuls; biases and norm weights are
+        counted too, as torchtitan does: a rounding error next to the matrices)
+        plus causal attention's 12 * layers * d_model * seq_len."""
         weights = sum(p.numel() for name, p in self.named_parameters() if "emb" not in name.split(".")[0])
         attention_layers = sum(isinstance(block, GPTBlock) for block in self.blocks)
         return 6 * weights + 12 * attention_layers * self.ln_f.normalized_shape[0] * seq_len

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from harness import sinks
+from harness import lr_schedules, sinks
+from harness.averaging.schedule import synchronous
 from harness.components import target_class
 from harness.config import EXTRA_KEYS, ConfigError, Strategy
 from harness.data import data_source
@@ -26,6 +27,7 @@ from harness.dist import resolve_device, under_torchrun
 from harness.mesh import mesh_shape
 from harness.models import build_model
 from harness.optim import HARNESS_KEYS
+from harness.plan import averager_configured
 
 
 def validate(cfg: DictConfig, world_size: int, gpus: int, local_world_size: int | None = None) -> None:
@@ -35,6 +37,7 @@ def validate(cfg: DictConfig, world_size: int, gpus: int, local_world_size: int 
     errors += _check_train(cfg, world_size, gpus, local_world_size or world_size)
     errors += _check_model_and_data(cfg)
     errors += _check_optimizer(cfg.optimizer)
+    errors += _check_lr_scheduler(cfg)
     errors += _check_in_backward(cfg)
     errors += _check_sharding_and_averager(cfg, world_size, local_world_size)
     errors += _check_checkpoint(cfg)
@@ -46,7 +49,7 @@ def validate(cfg: DictConfig, world_size: int, gpus: int, local_world_size: int 
 def config_warnings(cfg: DictConfig) -> list[str]:
     """Configs that run but probably not as meant (a short smoke run is a fair reason)."""
     avg = cfg.averager
-    if avg.get("_target_") is not None and avg.get("warmup_steps", 0) >= cfg.train.steps:
+    if averager_configured(cfg) and synchronous(cfg.train.steps - 1, avg.get("warmup_steps", 0)):
         return [
             f"averager.warmup_steps={avg.warmup_steps} >= train.steps={cfg.train.steps}: every step is "
             "synchronous and the averager never averages. For local SGD lower averager.warmup_steps; for "
@@ -193,6 +196,18 @@ def _check_optimizer(opt: DictConfig) -> list[str]:
     return errors
 
 
+def _check_lr_scheduler(cfg: DictConfig) -> list[str]:
+    _, errors = target_class(
+        cfg.lr_scheduler,
+        "lr_scheduler",
+        torch.optim.lr_scheduler.LRScheduler,
+        "torch.optim.lr_scheduler.LRScheduler",
+        ("optimizer", "total_steps"),
+        "constant|warmup_cosine|wsd|step",
+    )
+    return errors + lr_schedules.config_errors(cfg)
+
+
 def _check_in_backward(cfg: DictConfig) -> list[str]:
     """optimizer.in_backward steps each parameter the moment its gradient is ready:
     nothing may need all gradients first, and the gradient must be final there."""
@@ -236,16 +251,16 @@ def _check_sharding_and_averager(cfg: DictConfig, world_size: int, local_world_s
         replicate, _ = mesh_shape(shard.strategy, shard.replicate, world_size, local_world_size)
     except ValueError as e:
         return errors + [str(e)]
-    if avg.get("_target_") is None:
+    if not averager_configured(cfg):
         return errors
-    # an averager is a torch ModelAverager (imported here: it loads torch.distributed)
-    from torch.distributed.algorithms.model_averaging.averagers import ModelAverager
+    # the gradient hooks and checkpoints ask an averager `synchronous` and `diverged`: a ReplicaAverager's
+    from harness.averaging import ReplicaAverager
 
     averager_cls, target_errors = target_class(
         avg,
         "averager",
-        ModelAverager,
-        "torch ModelAverager",
+        ReplicaAverager,
+        "harness.averaging.ReplicaAverager",
         ("mesh", "traffic", "model"),
         "none|periodic|hierarchical|diloco",
     )

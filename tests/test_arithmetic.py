@@ -10,6 +10,9 @@ Values come from a world of 1 on gloo.
 
 from __future__ import annotations
 
+import json
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -30,8 +33,9 @@ from harness.averaging import (
     plan_fragments,
     schedule,
 )
+from harness.lr_schedules import build_lr_schedule
 from harness.models import GPT, TokenMLP
-from harness.optim import clip_grad_norm_
+from harness.optim import build_local_optimizer, clip_grad_norm_
 
 
 @pytest.fixture
@@ -300,3 +304,66 @@ def test_diloco_config_rules_report_every_broken_rule():
         "averager.outer_optimizer",
         "averager.fragments=3",
     ]
+
+
+# -- learning-rate schedules -----------------------------------------------------
+
+
+def lrs_of(schedule_cfg: dict, total_steps: int, in_backward: bool = False) -> list[list[float]]:
+    """The learning rate each of `total_steps` steps trains at, for every optimizer the schedule drives."""
+    params = [torch.nn.Parameter(torch.zeros(2)) for _ in range(3)]
+    optimizer_cfg = OmegaConf.create(
+        {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.5, "in_backward": in_backward}
+    )
+    optimizer = build_local_optimizer(optimizer_cfg, params, torch.device("cpu"))
+    schedule = build_lr_schedule(OmegaConf.create(schedule_cfg), optimizer, total_steps)
+    trained_at = []
+    for _ in range(total_steps):
+        optimizers = optimizer.optimizers if in_backward else [optimizer]
+        trained_at.append([o.param_groups[0]["lr"] for o in optimizers])
+        assert trained_at[-1][0] == schedule.lr
+        for o in optimizers:  # as the loop: the optimizer steps, then the schedule
+            o.step()
+        schedule.step()
+    return trained_at
+
+
+def test_warmup_cosine_ramps_up_then_decays_to_its_minimum_at_the_last_step():
+    cfg = {"_target_": "harness.lr_schedules.WarmupCosine", "warmup_steps": 4, "min_lr_ratio": 0.1}
+    lrs = [lr for [lr] in lrs_of(cfg, 12)]
+    assert lrs[:4] == pytest.approx([0.125, 0.25, 0.375, 0.5])
+    assert lrs[4] == pytest.approx(0.5) and lrs[-1] == pytest.approx(0.05)
+    middle = 0.05 + 0.45 * 0.5 * (1 + math.cos(math.pi * 3 / 7))  # step index 7: 3 of 7 decay steps done
+    assert lrs[7] == pytest.approx(middle)
+    assert all(a > b for a, b in zip(lrs[4:], lrs[5:]))
+
+
+def test_wsd_is_flat_until_its_decay_then_linear_to_the_minimum():
+    cfg = {"_target_": "harness.lr_schedules.WarmupStableDecay", "warmup_steps": 2, "decay_fraction": 0.25}
+    lrs = [lr for [lr] in lrs_of({**cfg, "min_lr_ratio": 0.0}, 12)]
+    assert lrs == pytest.approx([0.25, 0.5, *[0.5] * 7, 0.5 * 2 / 3, 0.5 / 3, 0.0])
+
+
+def test_step_decay_multiplies_by_gamma_after_each_milestone_for_every_in_backward_optimizer():
+    cfg = {"_target_": "torch.optim.lr_scheduler.MultiStepLR", "milestones": [2, 4], "gamma": 0.1}
+    lrs = lrs_of(cfg, 6, in_backward=True)
+    assert all(len(set(step)) == 1 and len(step) == 3 for step in lrs)  # every parameter's optimizer follows
+    assert [step[0] for step in lrs] == pytest.approx([0.5, 0.5, 0.05, 0.05, 0.005, 0.005])
+
+
+def test_schedule_position_round_trips_through_a_checkpoint_part():
+    cfg = OmegaConf.create({"_target_": "harness.lr_schedules.WarmupCosine", "warmup_steps": 3, "min_lr_ratio": 0.0})
+    make = lambda: build_lr_schedule(  # noqa: E731
+        cfg, torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), total_steps=10
+    )
+    trained, resumed = make(), make()
+    for _ in range(5):
+        trained.schedulers[0].optimizer.step()
+        trained.step()
+    state = json.loads(json.dumps(trained.state_dict()))  # meta.json holds it
+    resumed.load_state_dict({"step": 5, **state})
+    assert resumed.lr == trained.lr
+    for lr_schedule in (trained, resumed):
+        lr_schedule.schedulers[0].optimizer.step()
+        lr_schedule.step()
+    assert resumed.lr == trained.lr and resumed.schedulers[0].last_epoch == 6

@@ -64,7 +64,9 @@ def test_resume_in_every_mode_is_bitwise_equal_to_an_uninterrupted_run(layout, t
     everything the checkpoints at 10 and 12 hold (model, optimizer, RNG states,
     DiLoCo's outer parameters and state), and every loss after step 7, equal
     A's bit for bit."""
-    base = [*LAYOUTS[layout], "model.dropout=0.1", "checkpoint.interval=10", "checkpoint.keep=3"]
+    # the learning rate decays after steps 3 and 6, so B resumes past both: the schedule's position must come back
+    schedule = ["lr_scheduler=step", "lr_scheduler.milestones=[3,6]"]
+    base = [*LAYOUTS[layout], *schedule, "model.dropout=0.1", "checkpoint.interval=10", "checkpoint.keep=3"]
     a, b = tmp_path / "a", tmp_path / "b"
     train(a, cli_env, *base, "train.steps=12", "checkpoint=sharded")
     train(b, cli_env, *base, "train.steps=7", "checkpoint=sharded")
@@ -89,6 +91,10 @@ def test_resume_in_every_mode_is_bitwise_equal_to_an_uninterrupted_run(layout, t
         assert set(parts["params"]) == set(saved_state(a / "checkpoints" / "step_12", tmp_path)["model"])
         assert meta["cross_replica"]["averager"]["outer_state"]  # fragments synced so far have optimizer state
     rows = read_metrics(b)
+    lr = {r["step"]: r["train/lr"] for r in rows if "train/lr" in r}
+    # optimizer.lr until step 3, × 0.1 after it, × 0.01 after step 6
+    assert lr[1] == lr[3] and lr[4] == pytest.approx(lr[1] / 10) and lr[12] == pytest.approx(lr[1] / 100), lr
+    assert len({r["averager/outer_lr"] for r in rows if "averager/outer_lr" in r}) <= 1  # the outer lr is not scheduled
     resumed = [r for r in rows if "run/resumed_from_step" in r]
     assert [r["run/resumed_from_step"] for r in resumed] == [7, 9]
     assert all(r["checkpoint/load_s"] > 0 and r["checkpoint/set_state_dict_s"] > 0 for r in resumed)

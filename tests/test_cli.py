@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from support import FAST, REPO, check_ok, check_rank_config, read_metrics, run_cli
 from wandb_reader import find_run_files, read_run
@@ -64,12 +66,18 @@ def test_mission_command_under_torchrun_writes_one_run_dir_with_metrics_and_wand
 
 
 def test_python_train_py_starts_its_own_ranks(tmp_path, cli_env):
-    proc = run_cli([*FAST, "hydra.run.dir=run"], cli_env, tmp_path)
+    proc = run_cli([*FAST, "metrics.tensorboard=true", "hydra.run.dir=run"], cli_env, tmp_path)
     check_ok(proc)
     assert "starting 2 local ranks" in proc.stdout and "'replicate': 2" in proc.stdout
     assert (tmp_path / "run" / ".hydra" / "config.yaml").exists()
     assert (tmp_path / "run" / "logs" / "rank1.log").exists()
-    assert len(read_metrics(tmp_path / "run")) == 8
+    rows = read_metrics(tmp_path / "run")
+    assert len(rows) == 8
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))  # TensorBoard's own reader
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [
+        (row["step"], float(np.float32(row["train/loss"]))) for row in rows if "train/loss" in row
+    ]
 
 
 def test_hybrid_two_by_two_under_torchrun(tmp_path, cli_env):

@@ -128,6 +128,17 @@ RULES = [
     (["optimizer._target_=torch.nn.Linear"], 2, 0, ["torch.nn.Linear", "not a torch.optim.Optimizer"]),
     (["sharding=hybrid_shard", "sharding.replicate=3"], 4, 0, ["sharding.replicate=3", "world size 4", "[1, 2, 4]"]),
     (
+        ["lr_scheduler=warmup_cosine", "lr_scheduler.warmup_steps=500"],
+        2,
+        0,
+        ["lr_scheduler.warmup_steps=500 must be in [1, train.steps=200]", "Fix: lr_scheduler.warmup_steps=20"],
+    ),
+    (["lr_scheduler=wsd", "lr_scheduler.min_lr_ratio=2"], 2, 0, ["min_lr_ratio=2", "above the peak"]),
+    (["lr_scheduler=wsd", "lr_scheduler.decay_fraction=0.95"], 2, 0, ["warmup_steps=20 runs into the decay"]),
+    (["lr_scheduler=step", "lr_scheduler.milestones=[150,100]"], 2, 0, ["milestones=[150, 100]", "increasing"]),
+    (["lr_scheduler=step", "lr_scheduler.milestones=[100,300]"], 2, 0, ["[1, train.steps=200]"]),
+    (["lr_scheduler._target_=torch.optim.SGD"], 2, 0, ["not a torch.optim.lr_scheduler.LRScheduler subclass"]),
+    (
         ["data=text", "data.eval_fraction=0", "train.eval_every=5"],
         2,
         0,

@@ -104,7 +104,8 @@ def test_kill_during_a_save_then_rerun_resumes_from_the_previous_checkpoint_bitw
     the rerun of the same command cleans it up and ends bitwise equal to an
     uninterrupted run."""
     ckpt = ["checkpoint=sharded", "checkpoint.async=true"] if mode == "sharded_async" else [f"checkpoint={mode}"]
-    args = [*MEDIUM, *LOCAL_SGD, *ckpt, "checkpoint.interval=3", "checkpoint.keep=3", "train.steps=9"]
+    schedule = ["lr_scheduler=warmup_cosine", "lr_scheduler.warmup_steps=4"]  # resumed inside the warmup
+    args = [*MEDIUM, *LOCAL_SGD, *schedule, *ckpt, "checkpoint.interval=3", "checkpoint.keep=3", "train.steps=9"]
     a, b = tmp_path / "a", tmp_path / "b"
     check_ok(run_cli([*args, f"hydra.run.dir={a}"], cli_env, REPO))
 
@@ -129,6 +130,9 @@ def test_kill_during_a_save_then_rerun_resumes_from_the_previous_checkpoint_bitw
         saved_state(a / "checkpoints" / "step_9", tmp_path), saved_state(b / "checkpoints" / "step_9", tmp_path)
     )
     assert loss_by_step(b) == loss_by_step(a)
+    lrs = [{row["step"]: row["train/lr"] for row in read_metrics(run) if "train/lr" in row} for run in (a, b)]
+    # 9 steps, 8 rates: the last warmup step and the first decay step both train at optimizer.lr
+    assert lrs[0] == lrs[1] and len(set(lrs[0].values())) == 8, "the schedule continues exactly"
     steps = [row["step"] for row in read_metrics(b)]
     assert steps == sorted(steps), "metrics.jsonl keeps one ordered x-axis across the kill"
 

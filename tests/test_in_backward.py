@@ -32,7 +32,8 @@ def test_in_backward_steps_bitwise_like_the_normal_step(layout, tmp_path, cli_en
     backward run the same single-tensor kernels on the same reduced gradients."""
     for optimizer, averaging in CASES[layout]:
         momentum = ["optimizer.momentum=0.9"] if optimizer == "sgd" else []  # so SGD has state to compare too
-        common = [*LAYOUTS[layout], f"optimizer={optimizer}", *momentum, *averaging, "checkpoint=full"]
+        schedule = ["lr_scheduler=warmup_cosine", "lr_scheduler.warmup_steps=3"]  # each parameter's optimizer follows
+        common = [*LAYOUTS[layout], f"optimizer={optimizer}", *momentum, *averaging, *schedule, "checkpoint=full"]
         states = []
         for in_backward in ("false", "true"):
             run = tmp_path / f"{optimizer}-{in_backward}"
@@ -48,7 +49,8 @@ def test_in_backward_resumes_exactly(tmp_path, cli_env):
     """Per-parameter optimizers saved as one FQN-keyed state dict: stopped at 5
     (between averagings) and resumed to 8, everything saved at 8 equals an
     uninterrupted run's, in sharded and in full mode."""
-    common = [*LAYOUTS["2x2"], "optimizer=adamw", "optimizer.in_backward=true", *POST_LOCAL]
+    schedule = ["lr_scheduler=step", "lr_scheduler.milestones=[2,4]"]  # resumed at 5: past both decays
+    common = [*LAYOUTS["2x2"], "optimizer=adamw", "optimizer.in_backward=true", *POST_LOCAL, *schedule]
     train(tmp_path / "a", cli_env, *common, "checkpoint=sharded")
     train(tmp_path / "b", cli_env, *common, "train.steps=5", "checkpoint=full")
     train(tmp_path / "b", cli_env, *common, "checkpoint=sharded")

@@ -20,9 +20,10 @@ from harness.averaging.traffic import CrossReplicaTraffic
 
 
 def setup_cross_replica(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, mesh: DeviceMesh, cfg: DictConfig
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, mesh: DeviceMesh, cfg: DictConfig, averaging: bool
 ) -> tuple[torch.optim.Optimizer, CrossReplica | None]:
-    """Wire gradient sync and parameter averaging across replicas for `cfg` (= cfg.averager).
+    """Wire gradient sync and parameter averaging across replicas for `cfg` (= cfg.averager);
+    `averaging`: the run's plan has an averager (`RunPlan.averaging`), else it is synchronous.
 
     Returns the optimizer to step (PostLocalSGDOptimizer when averaging) and
     the object that reports this step's cross-replica figures, or None when
@@ -31,7 +32,7 @@ def setup_cross_replica(
     if mesh["replicate"].size() < 2:
         return optimizer, None
     traffic = CrossReplicaTraffic()
-    if cfg.get("_target_") is None:  # averager=none: synchronous
+    if not averaging:
         count_synchronous_gradients(model, traffic)
         return optimizer, CrossReplica(traffic, None)
     # partial first: instantiate would merge (and copy) keyword objects into the config;
