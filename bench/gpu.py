@@ -4,9 +4,10 @@ What is measured: ms per optimizer step, tokens/s and MFU on the device the
 ranks use (the GPU when CUDA is visible, else the CPU) for six paths that train
 the same model from the same initial weights on the same batches:
 
-  harness                 `build_job` + `train` (metrics sink disabled, checkpoint=none, its periodic
-                          logging included), the config's own settings: sharding.param_dtype=auto (bf16
-                          compute on CUDA), fused optimizer on CUDA, train.grad_clip, averager=none
+  harness                 `build_job` + `Trainer` as `run_rank` runs them (checkpoint=none, W&B disabled,
+                          its periodic logging and rank 0's metrics.jsonl included), the config's own
+                          settings: sharding.param_dtype=auto (bf16 compute on CUDA), fused optimizer on
+                          CUDA, train.grad_clip, averager=none
   minimal FSDP2           forward, backward, `harness.optim.clip_grad_norm_`, step, zero_grad on a model
                           sharded by hand: fully_shard per block and root on the harness's mesh with the
                           same MixedPrecisionPolicy, optimizer and data stream
@@ -16,8 +17,9 @@ the same model from the same initial weights on the same batches:
   ...+compile             harness with train.compile=true; minimal with `compile_blocks` before sharding;
                           plain with torch.compile of the whole model
 
-How: ranks start the harness way (in this process for --nproc 1, else elastic
-launch with the config's start method). Every rank builds all paths side by
+How: ranks start the harness way (in this process for --nproc 1, else the
+harness's own launcher, `harness.launch.start_local_ranks`, with the config's
+start method; bench/harness_runs.py). Every rank builds all paths side by
 side. Round 0 is warm-up (compiling happens there); then in each of --rounds
 rounds every path runs --steps-per-round steps, the order rotated each round
 to cancel drift, each path timed between device synchronize + barrier on both
@@ -27,42 +29,42 @@ median of per-round ratios against the targets below, and the max parameter
 difference between harness and minimal (same work; bf16 on CUDA need not be
 bit-identical).
 
-    python bench/gpu.py [--nproc 1] [--rounds 10] [--steps-per-round 10] [--no-compile] [hydra overrides ...]
+The targets are a GPU's: on CPU the ratios are printed and the verdicts read
+"n/a on CPU".
+
+    python bench/gpu.py [--nproc 1] [--rounds 10] [--steps-per-round 10] [--no-compile]
+                        [--compile-backend inductor] [hydra overrides ...]
+    python bench/gpu.py --smoke   # CPU, 2 ranks, 1 GPT block, 1 measured round of 1 step, compile backend eager
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import shlex
 import statistics
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
+from harness_runs import SMOKE_HELP, check, compose, launch, rank_env
+from omegaconf import DictConfig, OmegaConf, open_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from harness.checkpoint import Checkpointer, checkpoint_dir  # noqa: E402
-from harness.config import ConfigError, plain, register_configs  # noqa: E402
-from harness.dist import init_distributed, resolve_device, synchronize, teardown, visible_gpus  # noqa: E402
-from harness.job import build_job, rank_data  # noqa: E402
-from harness.launch import setup_logging, start_method  # noqa: E402
-from harness.loop import TrainState, train  # noqa: E402
-from harness.metrics import MetricsSink, peak_flops  # noqa: E402
-from harness.models import build_model, materialize  # noqa: E402
-from harness.optim import build_optimizer, clip_grad_norm_  # noqa: E402
-from harness.sharding import RESHARD_AFTER_FORWARD, compile_blocks, resolve_dtype  # noqa: E402
-from harness.validate import validate  # noqa: E402
+from harness.config import Strategy
+from harness.data import build_data
+from harness.dist import resolve_device, synchronize, visible_gpus
+from harness.job import build_job
+from harness.loop import Trainer
+from harness.models import build_model, materialize
+from harness.optim import build_optimizer, clip_grad_norm_
+from harness.plan import RunPlan, averager_configured
+from harness.sharding import RESHARD_AFTER_FORWARD, compile_blocks, resolve_dtype
+from harness.throughput import peak_flops
 
 # The 163M GPT of the issue on a GPU; on CPU a tiny GPT, so that a run with compiling ends in minutes on 2 cores.
 CUDA_DEFAULTS = [
@@ -83,47 +85,45 @@ CPU_DEFAULTS = [
     "train.seq_len=64",
     "dist.threads_per_rank=1",
 ]
-FSDP_STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "hybrid_shard_zero2", "no_shard")
+# --smoke: every path on 2 ranks, the tiny GPT smaller still, compiled paths traced by dynamo with the eager
+# backend (no inductor code generation, which takes minutes on a cold CPU cache)
+SMOKE = ["--nproc", "2", "--rounds", "1", "--steps-per-round", "1", "--compile-backend", "eager"]
+SMOKE_OVERRIDES = ["train.device=cpu", "model.n_layer=1", "train.seq_len=32", "train.batch_size=2"]
+FSDP_STRATEGIES = [s.value for s in Strategy if s is not Strategy.ddp]  # the minimal loop is FSDP2: ddp is not
 OVERHEAD_TARGET, PLAIN_TARGET, MFU_TARGET = 1.05, 1.0, 0.45
 
 
-def compose_config(args: argparse.Namespace):
-    register_configs()
+def compose_config(args: argparse.Namespace, run_dir: Path) -> tuple[DictConfig, RunPlan]:
     fixed = ["averager=none", "wandb.mode=disabled", f"launcher.nproc={args.nproc}"]
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        # which defaults apply depends on the device the overrides leave the ranks on
-        probe = compose("config", overrides=[*fixed, *args.overrides])
-        cuda = resolve_device(probe.train.device, visible_gpus()) == "cuda"  # NVML: the parent never inits CUDA
-        defaults = CUDA_DEFAULTS if cuda else CPU_DEFAULTS
-        if any(o.startswith("model=") for o in args.overrides):  # another model: its shape keys differ
-            defaults = [d for d in defaults if not d.startswith("model")]
-        cfg = compose("config", overrides=["sharding=full_shard", *fixed, *defaults, *args.overrides])
-    try:
-        validate(cfg, args.nproc, visible_gpus())
-    except ConfigError as e:
-        raise SystemExit(f"bench/gpu.py: the config cannot run:\n\n{e}") from None
-    if cfg.sharding.strategy not in FSDP_STRATEGIES or cfg.averager.name != "none":
+    # which defaults apply depends on the device the overrides leave the ranks on
+    probe = compose([*fixed, *args.overrides])
+    cuda = resolve_device(probe.train.device, visible_gpus()) == "cuda"  # NVML: the parent never inits CUDA
+    defaults = CUDA_DEFAULTS if cuda else CPU_DEFAULTS
+    if any(o.startswith("model=") for o in args.overrides):  # another model: its shape keys differ
+        defaults = [d for d in defaults if not d.startswith("model")]
+    cfg = compose(["sharding=full_shard", *fixed, *defaults, *args.overrides])
+    with open_dict(cfg):  # the harness paths train in every round: train.steps bounds Trainer.run(until=...)
+        cfg.train.steps = (args.rounds + 1) * args.steps_per_round
+    plan = check(cfg, args.nproc, run_dir)
+    if cfg.sharding.strategy not in FSDP_STRATEGIES or averager_configured(cfg):
         raise SystemExit(
             f"bench/gpu.py: the minimal loop is synchronous FSDP2: sharding must be one of "
             f"{', '.join(FSDP_STRATEGIES)} and averager=none (got sharding={cfg.sharding.strategy}, "
-            f"averager={cfg.averager.name})"
+            f"averager={cfg.averager._target_})"
         )
-    return cfg
+    return cfg, plan
 
 
-def build_harness(cfg, env, run_dir: Path, compiled: bool):
-    """The harness's own assembly and loop; `steps(n)` trains n more steps."""
+def build_harness(cfg, env, plan: RunPlan, run_dir: Path, compiled: bool, stack: contextlib.ExitStack):
+    """The harness's own assembly and loop (`build_job` + `Trainer`, as `run_rank` runs them, rank 0 writing
+    metrics.jsonl into `run_dir`); `steps(n)` trains n more steps."""
     cfg = OmegaConf.merge(cfg, {"train": {"compile": compiled}})
-    job = build_job(cfg, env)
-    sink = MetricsSink(run_dir, cfg.wandb, {}, enabled=False)
-    train_cfg, state = cfg.train.copy(), TrainState()
-    checkpointer = Checkpointer(
-        cfg.checkpoint, checkpoint_dir(cfg.checkpoint, run_dir), env.rank, env.device, plain(cfg)
-    )  # checkpoint=none: only its per-step checks
+    run_dir.mkdir(parents=True, exist_ok=True)
+    job = build_job(cfg, env, plan)
+    trainer = stack.enter_context(Trainer(job, cfg, env, run_dir))  # checkpoint=none: only its per-step checks
 
     def steps(n: int) -> None:
-        train_cfg.steps = state.step + n
-        train(job, sink, train_cfg, env, state, checkpointer)
+        trainer.run(until=trainer.state.step + n)
 
     return job, steps
 
@@ -146,7 +146,7 @@ def build_minimal(cfg, mesh, env, compiled: bool):
     materialize(model, device, cfg.train.seed)
     # same class, hyperparameters and fused choice
     optimizer = build_optimizer(cfg.optimizer, model.parameters(), device)
-    data = rank_data(cfg, env)
+    data = build_data(cfg, env.rank, env.world_size, device)
     max_norm = cfg.train.grad_clip
 
     def steps(n: int) -> None:
@@ -170,7 +170,7 @@ def build_plain(cfg, env, compiled: bool):
     optimizer = build_optimizer(cfg.optimizer, model.parameters(), device)  # fused on CUDA (optimizer.fused=null)
     forward = torch.compile(model) if compiled else model  # the whole model: no FSDP hooks to keep outside
     # its own rank's batches, the same as the sharded paths see, without any gradient exchange
-    data = rank_data(cfg, env)
+    data = build_data(cfg, env.rank, env.world_size, device)
     max_norm = cfg.train.grad_clip
 
     def steps(n: int) -> None:
@@ -199,16 +199,26 @@ def max_abs_diff(a: torch.nn.Module, b: torch.nn.Module, device: torch.device) -
     return diff.item()
 
 
-def worker(cfg_dict: dict, rounds: int, steps_per_round: int, compiled: bool, command: str) -> None:
-    cfg = OmegaConf.create(cfg_dict)
-    env = init_distributed(cfg.train.device, cfg.dist.timeout_s, cfg.dist.threads_per_rank)
-    run_dir = tempfile.TemporaryDirectory(prefix="harness-bench-gpu-")
-    setup_logging(Path(run_dir.name), env.rank)  # the harness logs as under train.py; that cost is measured too
-    try:
+def worker(
+    cfg: DictConfig,
+    run_dir: Path,
+    plan: RunPlan,
+    rounds: int,
+    steps_per_round: int,
+    compiled: bool,
+    compile_backend: str,
+    command: str,
+) -> None:
+    if compile_backend != "inductor":  # every torch.compile of this rank (compile_blocks' too) uses it
+        torch.compile = functools.partial(torch.compile, backend=compile_backend)
+    # the harness logs as under train.py; that cost is measured too
+    with rank_env(cfg, run_dir) as env, contextlib.ExitStack() as stack:
         paths, models, jobs = {}, {}, {}
         variants = [("", False)] + ([("+compile", True)] if compiled else [])
         for suffix, comp in variants:
-            jobs[suffix], paths["harness" + suffix] = build_harness(cfg, env, Path(run_dir.name), comp)
+            jobs[suffix], paths["harness" + suffix] = build_harness(
+                cfg, env, plan, run_dir / f"harness{suffix}", comp, stack
+            )
             models["harness" + suffix] = jobs[suffix].model
             models["minimal FSDP2" + suffix], paths["minimal FSDP2" + suffix] = build_minimal(
                 cfg, jobs[suffix].mesh, env, comp
@@ -249,11 +259,9 @@ def worker(cfg_dict: dict, rounds: int, steps_per_round: int, compiled: bool, co
                 command,
                 device_name,
                 peak_flops(env.device, cfg.train.peak_tflops),
+                compile_backend,
             )
         dist.barrier()  # no rank tears down while rank 0 still reports
-    finally:
-        teardown()
-        run_dir.cleanup()
 
 
 def median_ratio(a: list[float], b: list[float]) -> float:
@@ -261,7 +269,7 @@ def median_ratio(a: list[float], b: list[float]) -> float:
     return statistics.median(x / y for x, y in zip(a[1:], b[1:]))
 
 
-def report(cfg, env, job, times, diffs, steps_per_round, command, device_name, peak) -> None:
+def report(cfg, env, job, times, diffs, steps_per_round, command, device_name, peak, compile_backend) -> None:
     tokens_per_step = cfg.train.batch_size * cfg.train.seq_len * env.world_size
     params = sum(p.numel() for p in job.model.parameters())  # DTensor numel is the global size
     dtype = resolve_dtype(cfg.sharding.param_dtype, env.device, low_precision_on_cuda=True)
@@ -279,7 +287,8 @@ def report(cfg, env, job, times, diffs, steps_per_round, command, device_name, p
         f"setup:    sharding={cfg.sharding.strategy}, compute {str(dtype)[6:]}, reduce {str(reduce)[6:]}, "
         f"{opt._target_.rsplit('.', 1)[-1]} lr={opt.lr} wd={opt.weight_decay} "
         f"fused={job.optimizer.defaults.get('fused')}, grad_clip={cfg.train.grad_clip}, batch "
-        f"{cfg.train.batch_size}x{cfg.train.seq_len} per rank, data={cfg.data.name}, log_every={cfg.train.log_every}"
+        f"{cfg.train.batch_size}x{cfg.train.seq_len} per rank, data={cfg.data._target_}, "
+        f"log_every={cfg.train.log_every}"
     )
     rounds = len(next(iter(times.values())))
     print(f"rounds:   {rounds} x {steps_per_round} steps per path, round 0 = warm-up (compiles), order rotated\n")
@@ -304,34 +313,38 @@ def report(cfg, env, job, times, diffs, steps_per_round, command, device_name, p
             f"{' (identical)' if diff == 0 else ''}"
         )
     print()
-    checks = [("harness / minimal FSDP2 (eager, identical settings)", "", "<=", OVERHEAD_TARGET)]
+    gpu = env.device.type == "cuda"  # the targets are the GPU's; on CPU the ratios are printed, not judged
+
+    def verdict(ok: bool, miss: str) -> str:
+        return ("ok" if ok else miss) if gpu else "n/a on CPU"
+
+    checks = [("harness / minimal FSDP2 (eager, identical settings)", "", OVERHEAD_TARGET)]
     if "harness+compile" in times:
-        checks.append(
-            ("harness+compile / minimal FSDP2+compile (identical settings)", "+compile", "<=", OVERHEAD_TARGET)
-        )
-    for label, suffix, _, target in checks:
+        checks.append(("harness+compile / minimal FSDP2+compile (identical settings)", "+compile", OVERHEAD_TARGET))
+    for label, suffix, target in checks:
         ratio = median_ratio(times["harness" + suffix], times["minimal FSDP2" + suffix])
         print(
             f"{label}: step-time ratio {ratio:.3f} (median of per-round ratios), target <= {target} "
-            f"{'ok' if ratio <= target else 'ABOVE TARGET'}"
+            f"{verdict(ratio <= target, 'ABOVE TARGET')}"
         )
     best = min((n for n in ("harness", "harness+compile") if n in times), key=medians.get)
     ratio = median_ratio(times["plain"], times[best])  # throughput ratio = inverse step-time ratio
     print(
         f"best harness throughput / plain eager throughput: {ratio:.3f} (best = {best}), target >= "
-        f"{PLAIN_TARGET} {'ok' if ratio >= PLAIN_TARGET else 'BELOW TARGET'}"
+        f"{PLAIN_TARGET} {verdict(ratio >= PLAIN_TARGET, 'BELOW TARGET')}"
     )
     if "harness+compile" not in times:
         print(f"harness+compile MFU: skipped (--no-compile), target >= {MFU_TARGET}")
     elif peak is None:
-        print(
-            f"harness+compile MFU: n/a (no peak FLOP/s for this device; give train.peak_tflops=), "
-            f"target >= {MFU_TARGET}"
-        )
+        why = "n/a on CPU" if not gpu else "n/a (no peak FLOP/s for this device; give train.peak_tflops=)"
+        print(f"harness+compile MFU: {why}, target >= {MFU_TARGET}")
     else:
         value = mfu["harness+compile"]
-        verdict = "ok" if value >= MFU_TARGET else "BELOW TARGET"
-        print(f"harness+compile MFU: {value:.3f}, target >= {MFU_TARGET} {verdict}")
+        print(
+            f"harness+compile MFU: {value:.3f}, target >= {MFU_TARGET} {verdict(value >= MFU_TARGET, 'BELOW TARGET')}"
+        )
+    if "harness+compile" in times and compile_backend != "inductor":
+        print(f"compiled paths: torch.compile backend={compile_backend} (not inductor): their times are no figures")
 
 
 def main() -> None:
@@ -340,28 +353,24 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10, help="measured rounds, after one warm-up round")
     parser.add_argument("--steps-per-round", type=int, default=10)
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled paths (slow to compile on CPU)")
+    parser.add_argument(
+        "--compile-backend", default="inductor", help="torch.compile backend of the compiled paths (smoke: eager)"
+    )
+    parser.add_argument("--smoke", action="store_true", help=f"{SMOKE_HELP}: {' '.join(SMOKE + SMOKE_OVERRIDES)}")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides, applied last, e.g. train.batch_size=8")
     args = parser.parse_args()
+    if args.smoke:
+        args = parser.parse_args([*SMOKE, *sys.argv[1:]])
+        args.overrides = [*SMOKE_OVERRIDES, *args.overrides]
     if args.nproc < 1 or args.rounds < 1 or args.steps_per_round < 1:
         parser.error("need --nproc, --rounds and --steps-per-round >= 1")
-    cfg = compose_config(args)
     command = shlex.join(["python", *sys.argv])
-    worker_args = (plain(cfg), args.rounds + 1, args.steps_per_round, not args.no_compile, command)
-    if args.nproc == 1:  # as `python train.py` runs one rank: in this process
-        worker(*worker_args)
-        return
-    launch = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=args.nproc,
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",
-        run_id=f"bench-{uuid.uuid4().hex[:8]}",
-        max_restarts=0,
-        start_method=start_method(cfg),
-        monitor_interval=0.1,
-    )
-    elastic_launch(launch, worker)(*worker_args)
+    with tempfile.TemporaryDirectory(prefix="harness-bench-gpu-") as tmp:
+        run_dir = Path(tmp)
+        cfg, plan = compose_config(args, run_dir)
+        rank_args = (args.rounds + 1, args.steps_per_round, not args.no_compile, args.compile_backend, command)
+        launch(cfg, run_dir, plan, worker, *rank_args)  # one rank in this process, as `python train.py` runs it
+    print("bench/gpu.py: done")
 
 
 if __name__ == "__main__":
