@@ -116,7 +116,8 @@ class DistConf:
 @dataclass
 class TrainConf:
     steps: int = 200
-    batch_size: int = 8  # sequences per rank per step
+    batch_size: int = 8  # sequences per rank per micro-batch
+    grad_accum: int = 1  # micro-batches per optimizer step: a step trains on grad_accum × batch_size per rank
     seq_len: int = 64
     seed: int = 0
     log_every: int = 10

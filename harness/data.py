@@ -2,7 +2,8 @@
 
 Every rank reads a disjoint, deterministic slice of one global sequence of
 samples: with `n` samples consumed by all ranks so far, rank r of w takes
-samples n + r*B ... n + r*B + B-1, and a step consumes w*B. The union over
+samples n + r*B ... n + r*B + B-1, and a step consumes w*B (B = the rank's
+samples per step: `train.batch_size` × `train.grad_accum`). The union over
 ranks of one step is exactly what a single process with batch w*B would read.
 The position is that one global count (`TokenStream.samples`), saved by the
 checkpoint code through `state_dict()`; because it does not depend on the
@@ -192,17 +193,39 @@ def _windows(tokens: np.ndarray, length: int, part: str, more: str) -> int:
 
 
 class TokenStream:
-    """Batches of (inputs, targets) for one rank; `samples` = samples consumed by all ranks."""
+    """Batches of (inputs, targets) for one rank; `samples` = samples consumed by all ranks.
 
-    def __init__(self, source, batch_size: int, seq_len: int, rank: int, world_size: int, device: torch.device):
+    A step reads `micro_batches` micro-batches of `batch_size` sequences per
+    rank, consecutive samples of the rank's one slice of the step, so a run
+    with K micro-batches of B reads exactly what a run with one batch of K·B
+    reads, rank by rank. Checkpoints fall between steps, so `samples` is the
+    whole position."""
+
+    def __init__(
+        self,
+        source,
+        batch_size: int,
+        seq_len: int,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        micro_batches: int = 1,
+    ):
         self.source, self.batch_size, self.seq_len = source, batch_size, seq_len
         self.rank, self.world_size, self.device = rank, world_size, device
+        self.micro_batches = micro_batches
         self.samples = 0
+        self._micro = 0  # micro-batches of the current step read so far
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        first = self.samples + self.rank * self.batch_size
+        """This rank's next micro-batch."""
+        per_rank = self.batch_size * self.micro_batches
+        first = self.samples + self.rank * per_rank + self._micro * self.batch_size
         seqs = self.source.samples(first, self.batch_size, self.seq_len + 1).to(self.device, non_blocking=True)
-        self.samples += self.world_size * self.batch_size
+        self._micro += 1
+        if self._micro == self.micro_batches:
+            self._micro = 0
+            self.samples += self.world_size * per_rank
         return seqs[:, :-1], seqs[:, 1:]
 
     def eval_batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,7 +252,8 @@ def build_data(cfg: DictConfig, rank: int, world_size: int, device: torch.device
     source = data_source(cfg)
     if hasattr(source, "open"):
         source.open()
-    return TokenStream(source, cfg.train.batch_size, cfg.train.seq_len, rank, world_size, device)
+    train = cfg.train
+    return TokenStream(source, train.batch_size, train.seq_len, rank, world_size, device, train.grad_accum)
 
 
 def text_root(root: str | None) -> str:

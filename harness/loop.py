@@ -4,6 +4,7 @@ final save. Benches and tests use the same two calls."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel
 
 from harness import metrics
 from harness.checkpoint import Checkpointer, checkpoint_dir, load
@@ -110,11 +112,7 @@ class Trainer:
         while state.step < until:
             step = state.step + 1
             log_step = step == 1 or step % cfg.log_every == 0 or step == cfg.steps
-            inputs, targets = job.data.next_batch()
-            loss = job.model(inputs, targets)
-            if job.steps_in_backward:  # optimizer.in_backward: the parameters change during backward
-                self.checkpointer.wait_for_staging()
-            loss.backward()
+            loss = self._forward_backward()
             grad_norm = None  # the norm costs an all-reduce: only when clipping or logging (and gradients are kept)
             if (cfg.grad_clip > 0 or log_step) and not job.steps_in_backward:
                 grad_norm = clip_grad_norm_(job.model.parameters(), cfg.grad_clip)
@@ -129,6 +127,21 @@ class Trainer:
             job.lr_schedule.step()  # the learning rate is a function of the step, skipped steps included
             state.step = step
             self._after_step(step, log_step, loss, grad_norm, lr, finite)
+
+    def _forward_backward(self) -> torch.Tensor:
+        """Forward and backward over the step's `train.grad_accum` micro-batches, each
+        loss scaled by 1/K so the gradients add up to one batch of K·B's; their mean loss."""
+        job, micro_batches = self.job, self.cfg.grad_accum
+        loss = torch.zeros((), device=self.env.device)
+        for micro in range(micro_batches):
+            inputs, targets = job.data.next_batch()
+            with gradient_sync(job.model, micro_batches, last=micro == micro_batches - 1):
+                micro_loss = job.model(inputs, targets) / micro_batches
+                if job.steps_in_backward:  # optimizer.in_backward: the parameters change during backward
+                    self.checkpointer.wait_for_staging()
+                micro_loss.backward()
+            loss += micro_loss.detach()
+        return loss
 
     def _after_step(
         self, step: int, log_step: bool, loss: torch.Tensor, grad_norm: torch.Tensor | None, lr: float, finite: bool
@@ -155,7 +168,7 @@ class Trainer:
         mean_loss = mean_over_ranks(loss)  # also waits for the device, so the clock below is honest
         since, since_step = self._clock
         step_time = (time.perf_counter() - since) / (step - since_step)
-        tokens_per_s = self.cfg.batch_size * self.cfg.seq_len * self.env.world_size / step_time
+        tokens_per_s = self.cfg.grad_accum * self.cfg.batch_size * self.cfg.seq_len * self.env.world_size / step_time
         row = {
             metrics.TRAIN_LOSS: mean_loss,
             metrics.TRAIN_LR: lr,
@@ -179,6 +192,21 @@ class Trainer:
             )
         self._clock = time.perf_counter(), step
         return row
+
+
+def gradient_sync(model: torch.nn.Module, micro_batches: int, last: bool):
+    """Gradient accumulation: the gradient reduction (FSDP2's reduce-scatter, DDP's
+    all-reduce, and with them the warmup's cross-replica hook) runs only on a
+    step's last micro-batch; the others accumulate locally."""
+    if micro_batches == 1:
+        return contextlib.nullcontext()
+    if isinstance(model, DistributedDataParallel):
+        return contextlib.nullcontext() if last else model.no_sync()
+    # FSDP2, on every FSDP module below the root; parameters also stay unsharded between
+    # micro-batches, so the next forward needs no all-gather (as FSDP2's docs advise)
+    model.set_requires_gradient_sync(last)
+    model.set_reshard_after_backward(last)
+    return contextlib.nullcontext()
 
 
 @torch.no_grad()

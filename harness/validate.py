@@ -110,6 +110,7 @@ def _check_train(cfg: DictConfig, world_size: int, gpus: int, local_world_size: 
     for key, minimum in [
         ("train.steps", 1),
         ("train.batch_size", 1),
+        ("train.grad_accum", 1),
         ("train.seq_len", 2),
         ("train.log_every", 1),
         ("dist.timeout_s", 1),
@@ -225,6 +226,13 @@ def _check_in_backward(cfg: DictConfig) -> list[str]:
             "optimizer.in_backward=true with train.nonfinite=skip: a step can only be skipped before it is taken, "
             "and in backward the parameters have stepped before the loss and gradients can be checked. "
             "Fix: train.nonfinite=error (stops before averaging and saving), or optimizer.in_backward=false."
+        )
+    if cfg.train.grad_accum > 1:
+        errors.append(
+            f"optimizer.in_backward=true with train.grad_accum={cfg.train.grad_accum}: in backward each parameter "
+            "steps as soon as its gradient is ready, so it would step on every micro-batch's partial gradient "
+            "instead of once on their sum. Fix: train.grad_accum=1 (a larger train.batch_size), or "
+            "optimizer.in_backward=false."
         )
     if cfg.sharding.strategy == Strategy.ddp:
         errors.append(

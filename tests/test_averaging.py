@@ -75,7 +75,9 @@ def test_warmup_is_fully_synchronous_and_never_averages(tmp_path, cli_env):
 
 def test_period_one_sgd_equals_synchronous_training(tmp_path, cli_env):
     """Plain SGD is linear in the gradient, so averaging parameters after every
-    step = averaging gradients before it (clipping off: it is per replica)."""
+    step = averaging gradients before it (clipping off: it is per replica). The
+    local run accumulates 2 micro-batches of 2 where the synchronous one takes
+    one batch of 4: the same samples per replica, so the same gradients."""
     common = [
         "sharding=hybrid_shard",
         "sharding.replicate=2",
@@ -86,7 +88,8 @@ def test_period_one_sgd_equals_synchronous_training(tmp_path, cli_env):
     sync_dir, local_dir = tmp_path / "sync", tmp_path / "local"
     sync_dir.mkdir(), local_dir.mkdir()
     sync = probe(sync_dir, cli_env, 4, *common, "averager=none")
-    local = probe(local_dir, cli_env, 4, *common, "averager=periodic", "averager.period=1", "averager.warmup_steps=0")
+    local_sgd = ["averager=periodic", "averager.period=1", "averager.warmup_steps=0"]
+    local = probe(local_dir, cli_env, 4, *common, "train.batch_size=2", "train.grad_accum=2", *local_sgd)
     assert averaged_steps(local) == list(range(1, 9))
     assert all(r["comm/grad_sync_bytes"] == 0 for r in local)
     assert all(r["comm/grad_sync_bytes"] > 0 and r["comm/averaging_bytes"] == 0 for r in sync)

@@ -28,8 +28,8 @@ LOCAL_SGD = ["optimizer=adamw", "averager=periodic", "averager.period=3"]
 LAYOUTS = {
     "2x1": ["launcher.nproc=2", "sharding=no_shard", "averager.warmup_steps=2", *LOCAL_SGD],
     # DDP, 4 replicas: synchronous (4-rank gradient all-reduce) until step 8, then
-    # post_localSGD_hook with averaging at 9 and 12
-    "ddp4": ["launcher.nproc=4", "sharding=ddp", "averager.warmup_steps=8", *LOCAL_SGD],
+    # post_localSGD_hook with averaging at 9 and 12; 2 micro-batches per step (no_sync on the first)
+    "ddp4": ["launcher.nproc=4", "sharding=ddp", "averager.warmup_steps=8", "train.grad_accum=2", *LOCAL_SGD],
     # 2 replicas x 2 shards (HSDP layout, per-replica copies of shards), with Streaming
     # DiLoCo in bf16: fragment 0 syncs at 5 and 13, fragment 1 at 9, so at step 7 only
     # fragment 0 has outer-optimizer state, and 10 and 12 fall between syncs
@@ -83,7 +83,8 @@ def test_resume_in_every_mode_is_bitwise_equal_to_an_uninterrupted_run(layout, t
     assert steps_saved(b) == ["step_9", "step_10", "step_12"]  # keep=3
     meta = json.loads((b / "checkpoints" / "step_9" / "meta.json").read_text())
     assert meta["replica_copies"] == meta["mesh"]["replicate"] and meta["cross_replica"]["averager_step"] == 9
-    assert meta["data"]["samples"] == 9 * 4 * int(LAYOUTS[layout][0].split("=")[1])
+    accum = 2 if "train.grad_accum=2" in LAYOUTS[layout] else 1
+    assert meta["data"]["samples"] == 9 * 4 * accum * int(LAYOUTS[layout][0].split("=")[1])
     # every replica's local progress is in the checkpoint, not just replica 0's
     assert (b / "checkpoints" / "step_9" / "replica_1.pt").exists()
     if "diloco" in layout:  # the outer state is in the checkpoint, once

@@ -127,6 +127,13 @@ RULES = [
     (["optimizer._target_=torch.optim.Nope"], 2, 0, ["optimizer._target_='torch.optim.Nope'", "cannot be imported"]),
     (["optimizer._target_=torch.nn.Linear"], 2, 0, ["torch.nn.Linear", "not a torch.optim.Optimizer"]),
     (["sharding=hybrid_shard", "sharding.replicate=3"], 4, 0, ["sharding.replicate=3", "world size 4", "[1, 2, 4]"]),
+    (["train.grad_accum=0"], 2, 0, ["train.grad_accum=0 is out of range"]),
+    (
+        ["optimizer.in_backward=true", "train.grad_clip=0", "train.grad_accum=2"],
+        2,
+        0,
+        ["train.grad_accum=2", "would step on every micro-batch"],
+    ),
     (
         ["lr_scheduler=warmup_cosine", "lr_scheduler.warmup_steps=500"],
         2,

@@ -14,15 +14,14 @@ from harness.models import build_model, materialize
 CPU = torch.device("cpu")
 
 
-def run_config(data: dict, batch_size: int, seed: int):
+def run_config(data: dict, batch_size: int, seed: int, grad_accum: int = 1):
     """The keys `build_data` reads from a run's config."""
-    return OmegaConf.create(
-        {"data": data, "model": {"vocab_size": 256}, "train": {"batch_size": batch_size, "seq_len": 16, "seed": seed}}
-    )
+    train = {"batch_size": batch_size, "grad_accum": grad_accum, "seq_len": 16, "seed": seed}
+    return OmegaConf.create({"data": data, "model": {"vocab_size": 256}, "train": train})
 
 
-def stream(world_size: int, rank: int, batch_size: int) -> TokenStream:
-    cfg = run_config({"_target_": "harness.data.SyntheticTokens", "noise": 0.1}, batch_size, seed=3)
+def stream(world_size: int, rank: int, batch_size: int, grad_accum: int = 1) -> TokenStream:
+    cfg = run_config({"_target_": "harness.data.SyntheticTokens", "noise": 0.1}, batch_size, 3, grad_accum)
     return build_data(cfg, rank=rank, world_size=world_size, device=CPU)
 
 
@@ -37,6 +36,17 @@ def test_ranks_read_disjoint_slices_whose_union_is_the_single_process_batch():
         assert torch.equal(x1[:, 1:], y1[:, :-1])  # targets are the inputs shifted by one
     rows = {tuple(r.tolist()) for r in torch.cat([stream(4, r, 2).next_batch()[0] for r in range(4)])}
     assert len(rows) == 8
+
+
+def test_micro_batches_of_a_step_hold_what_one_batch_of_their_sum_holds_rank_by_rank():
+    """train.grad_accum=4 with batch 1 reads, on every rank and step, what batch 4 reads."""
+    for rank in range(2):
+        whole, micro = stream(2, rank, batch_size=4), stream(2, rank, batch_size=1, grad_accum=4)
+        for _ in range(3):
+            x, y = whole.next_batch()
+            parts = [micro.next_batch() for _ in range(4)]
+            assert torch.equal(torch.cat([p[0] for p in parts]), x) and torch.equal(torch.cat([p[1] for p in parts]), y)
+        assert micro.samples == whole.samples == 3 * 2 * 4
 
 
 def test_stream_is_deterministic_and_resumes_from_its_position():

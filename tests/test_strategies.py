@@ -37,26 +37,33 @@ def reference(tmp_path_factory):
     return losses(tmp / "run")
 
 
+# (strategy, ranks, replicas, micro-batches per step): with gradient accumulation the K micro-batches
+# of each rank hold what one batch of K·B would, and only the last reduces gradients (FSDP2's
+# set_requires_gradient_sync, DDP's no_sync)
 LAYOUTS = [
-    ("full_shard", 2, None),
-    ("shard_grad_op", 2, None),
-    ("hybrid_shard", 2, 2),
-    ("hybrid_shard_zero2", 2, 2),
-    ("no_shard", 2, None),
-    ("ddp", 2, None),
-    ("hybrid_shard", 4, 2),
+    ("full_shard", 2, None, 1),
+    ("shard_grad_op", 2, None, 1),
+    ("hybrid_shard", 2, 2, 1),
+    ("hybrid_shard_zero2", 2, 2, 1),
+    ("no_shard", 2, None, 1),
+    ("ddp", 2, None, 1),
+    ("ddp", 2, None, 4),
+    ("hybrid_shard", 4, 2, 2),
 ]
 
 
-@pytest.mark.parametrize("strategy,nproc,replicate", LAYOUTS, ids=[f"{s}@{n}" for s, n, _ in LAYOUTS])
-def test_strategy_trains_and_matches_single_process(strategy, nproc, replicate, reference, tmp_path):
+@pytest.mark.parametrize(
+    "strategy,nproc,replicate,accum", LAYOUTS, ids=[f"{s}@{n}" + (f"x{k}" if k > 1 else "") for s, n, _, k in LAYOUTS]
+)
+def test_strategy_trains_and_matches_single_process(strategy, nproc, replicate, accum, reference, tmp_path):
     run_dir = tmp_path / "run"
     args = [
         *FAST,
         f"launcher.nproc={nproc}",
         "averager=none",
         f"sharding={strategy}",
-        f"train.batch_size={GLOBAL_BATCH // nproc}",
+        f"train.batch_size={GLOBAL_BATCH // nproc // accum}",
+        f"train.grad_accum={accum}",
         f"hydra.run.dir={run_dir}",
     ]
     if replicate:
