@@ -31,13 +31,14 @@ then flush + os.fsync.
 
 How: the real Hydra config is composed (model=mlp sized by `--sizes`,
 optimizer=adam, averager=none, sharding=full_shard, batch 2x16, one thread per
-rank, train.grad_clip as configured) and each configuration is one elastic
-launch of N ranks (fork). The ranks build the job with `build_job`, take one
+rank, train.grad_clip as configured) and each configuration is one launch of N
+ranks with the harness's own launcher (`harness.launch.start_local_ranks`, fork;
+bench/harness_runs.py). The ranks build the job with `build_job`, take one
 optimizer step so Adam state exists, and then run `--rounds` rounds; a round
 saves once in every mode (step = round + 1, each mode into its own
 `checkpoint.dir`) and runs the torch.save limit on rank 0, in an order rotated
 every round to cancel drift. Every save starts after a barrier and is followed,
-as in `harness/loop.py` `train()`, by one training step: forward + backward
+as in `harness.loop.Trainer.run`, by one training step: forward + backward
 (+ clip), `wait_for_staging()`, `optimizer.step()` + `zero_grad`, then
 `wait()` (a no-op for synchronous saves); every mode trains the same step, so
 the parameters keep training between saves. A time is the slowest rank's.
@@ -52,11 +53,13 @@ throughput against the torch.save limit (target >= 0.8), and the full mode's
 consolidation cost by size and rank count.
 
     python bench/checkpoint.py [--sizes 10m,50m,200m] [--ranks 2,4] [--rounds 5] [--dir DIR]
+    python bench/checkpoint.py --smoke   # --sizes tiny (99k parameters) --ranks 2 --rounds 1
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import resource
@@ -65,37 +68,28 @@ import statistics
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
+from harness_runs import SMOKE_HELP, check, compose, launch, rank_env
+from omegaconf import DictConfig, OmegaConf
 from torch.distributed.checkpoint.state_dict import get_state_dict
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from harness.checkpoint import Checkpointer, checkpoint_dir, gather_full, inner_optimizer  # noqa: E402
-from harness.config import ConfigError, plain, register_configs  # noqa: E402
-from harness.dist import (  # noqa: E402
-    init_distributed,
-    teardown,
-    visible_gpus,  # noqa: E402
-)
-from harness.job import build_job  # noqa: E402
-from harness.launch import setup_logging, start_method  # noqa: E402
-from harness.models import build_model  # noqa: E402
-from harness.validate import validate  # noqa: E402
+from harness.checkpoint import Checkpointer, checkpoint_dir, gather_full, inner_optimizer
+from harness.config import plain
+from harness.job import build_job
+from harness.models import build_model
+from harness.plan import RunPlan
 
 # model=mlp shapes: params = 2*vocab*d_model + n_layer*(2*d_model*hidden + hidden + 3*d_model) + 2*d_model
 SIZES = {
     "10m": {"vocab_size": 256, "d_model": 512, "hidden": 2048, "n_layer": 5},  # 10,766,848
     "50m": {"vocab_size": 256, "d_model": 1024, "hidden": 4096, "n_layer": 6},  # 50,900,992
     "200m": {"vocab_size": 256, "d_model": 1024, "hidden": 4096, "n_layer": 24},  # 202,024,960
+    "tiny": {"vocab_size": 256, "d_model": 64, "hidden": 256, "n_layer": 2},  # 99,328: --smoke
 }
+SMOKE = ["--sizes", "tiny", "--ranks", "2", "--rounds", "1"]
 MODES = {  # name -> checkpoint overrides
     "full": ["checkpoint=full"],
     "sharded": ["checkpoint=sharded"],
@@ -106,8 +100,8 @@ ASYNC_TARGET = 0.10  # async blocked / sync sharded blocked
 THROUGHPUT_TARGET = 0.8  # sharded MB/s / torch.save MB/s
 
 
-def compose_configs(size: str, ranks: int, ckpt_root: Path) -> dict[str, dict]:
-    """One resolved config per mode, identical but for `checkpoint.*`."""
+def compose_configs(size: str, ranks: int, ckpt_root: Path, run_dir: Path) -> tuple[dict[str, DictConfig], RunPlan]:
+    """One config per mode, identical but for `checkpoint.*`, each validated; the run's plan."""
     shape = SIZES[size]
     base = [
         "model=mlp",
@@ -121,20 +115,15 @@ def compose_configs(size: str, ranks: int, ckpt_root: Path) -> dict[str, dict]:
         "dist.threads_per_rank=1",
         f"launcher.nproc={ranks}",
     ]
-    cfgs = {}
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        for mode, overrides in MODES.items():
-            cfg = compose("config", overrides=[*base, *overrides, f"checkpoint.dir={ckpt_root / mode}"])
-            try:
-                validate(cfg, ranks, visible_gpus())
-            except ConfigError as e:
-                raise SystemExit(f"bench/checkpoint.py: the config cannot run:\n\n{e}") from None
-            cfgs[mode] = plain(cfg)
-    return cfgs
+    cfgs = {
+        mode: compose([*base, *overrides, f"checkpoint.dir={ckpt_root / mode}"]) for mode, overrides in MODES.items()
+    }
+    plans = {mode: check(cfg, ranks, run_dir) for mode, cfg in cfgs.items()}
+    return cfgs, plans["full"]
 
 
-def parameter_count(cfg: dict) -> int:
-    model = build_model(OmegaConf.create(cfg["model"]), cfg["train"]["seq_len"])  # meta device: no memory
+def parameter_count(cfg: DictConfig) -> int:
+    model = build_model(cfg.model, cfg.train.seq_len)  # meta device: no memory
     return sum(p.numel() for p in model.parameters())
 
 
@@ -161,20 +150,17 @@ def train_step_compute(job, grad_clip: float) -> float:
     return time.perf_counter() - start
 
 
-def worker(cfgs: dict[str, dict], rounds: int, work_dir: str) -> dict | None:
-    """One rank: build the job, one Adam step, then `rounds` rounds of every mode + the limit."""
+def worker(cfg: DictConfig, run_dir: Path, plan: RunPlan, cfgs: dict[str, dict], rounds: int, work_dir: str) -> None:
+    """One rank: build the job, one Adam step, then `rounds` rounds of every mode + the limit; rank 0
+    writes what it measured to <work_dir>/result.json for the parent."""
     work = Path(work_dir)
-    cfg = OmegaConf.create(cfgs["full"])
-    env = init_distributed(cfg.train.device, cfg.dist.timeout_s, cfg.dist.threads_per_rank)
-    run_dir = work / "run"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    setup_logging(run_dir, env.rank)  # as under train.py: rank 0 logs each save to stdout
-    try:
-        job = build_job(cfg, env)
+    with rank_env(cfg, run_dir) as env:  # as under train.py: rank 0 logs each save to stdout
+        job = build_job(cfg, env, plan)
         inputs, targets = job.data.next_batch()  # one step, so the Adam state exists
         job.model(inputs, targets).backward()
         job.optimizer.step()
         job.optimizer.zero_grad(set_to_none=True)
+        # the object measured: the harness's Checkpointer, one per mode, built as `Trainer` builds it
         checkpointers = {
             mode: Checkpointer(
                 OmegaConf.create(c).checkpoint,
@@ -222,7 +208,7 @@ def worker(cfgs: dict[str, dict], rounds: int, work_dir: str) -> dict | None:
                 if ckpt.async_save:
                     ckpt.pending.written.add_done_callback(lambda _, at=done_at: at.append(time.perf_counter()))
                     started = ckpt.pending.started
-                # One training step, in the loop's order (harness/loop.py train()), after every mode's save,
+                # One training step, in the loop's order (harness.loop.Trainer.run), after every mode's save,
                 # so each round trains the same number of steps; only the async save is still in flight here.
                 step_s = train_step_compute(job, cfg.train.grad_clip)
                 ckpt.wait_for_staging()  # async: waits for the staging copy, adds to pending.staging_wait_s
@@ -266,7 +252,7 @@ def worker(cfgs: dict[str, dict], rounds: int, work_dir: str) -> dict | None:
         peak_rss = [None] * env.world_size
         dist.all_gather_object(peak_rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
         if env.is_main:
-            return {
+            out = {
                 "params": sum(p.numel() for p in job.model.parameters()),
                 "results": results,
                 "orders": orders,
@@ -275,9 +261,7 @@ def worker(cfgs: dict[str, dict], rounds: int, work_dir: str) -> dict | None:
                 "backend": dist.get_backend(),
                 "device": str(env.device),
             }
-        return None
-    finally:
-        teardown()
+            (work / "result.json").write_text(json.dumps(out))
 
 
 # --- the parent ---------------------------------------------------------------------
@@ -412,7 +396,10 @@ def main() -> None:
     parser.add_argument("--ranks", default="2,4", help="comma list of rank counts")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dir", default=None, help="parent of the temporary directory (default: system temp dir)")
+    parser.add_argument("--smoke", action="store_true", help=f"{SMOKE_HELP}: {' '.join(SMOKE)}")
     args = parser.parse_args()
+    if args.smoke:
+        args = parser.parse_args([*SMOKE, *sys.argv[1:]])
     sizes = args.sizes.split(",")
     if unknown := [s for s in sizes if s not in SIZES]:
         parser.error(f"unknown --sizes {unknown}; choose from {', '.join(SIZES)}")
@@ -420,7 +407,6 @@ def main() -> None:
     if args.rounds < 1 or min(ranks_list) < 1:
         parser.error("need --rounds >= 1 and rank counts >= 1")
 
-    register_configs()
     tmp = tempfile.TemporaryDirectory(prefix="harness-ckpt-bench-", dir=args.dir)
     root = Path(tmp.name)
     cpus = len(os.sched_getaffinity(0))
@@ -439,7 +425,9 @@ def main() -> None:
         for size in sizes:
             for ranks in ranks_list:
                 work = root / f"{size}-{ranks}"
-                cfgs = compose_configs(size, ranks, work / "checkpoints")
+                run_dir = work / "run"
+                run_dir.mkdir(parents=True)
+                cfgs, plan = compose_configs(size, ranks, work / "checkpoints", run_dir)
                 params = parameter_count(cfgs["full"])
                 need = 2 * 12 * params  # one checkpoint + the limit file, fp32 params + 2 Adam moments
                 if shutil.disk_usage(root).free < 1.2 * need:
@@ -448,19 +436,10 @@ def main() -> None:
                         "pass --dir on a larger disk"
                     )
                 print(f"\n== {size} ({params:,} parameters) x {ranks} ranks: {args.rounds} round(s) ==", flush=True)
-                launch = LaunchConfig(
-                    min_nodes=1,
-                    max_nodes=1,
-                    nproc_per_node=ranks,
-                    rdzv_backend="c10d",
-                    rdzv_endpoint="localhost:0",
-                    run_id=f"bench-{uuid.uuid4().hex[:8]}",
-                    max_restarts=0,
-                    monitor_interval=0.1,
-                    start_method=start_method(OmegaConf.create(cfgs["full"])),
-                )
                 start = time.perf_counter()
-                out = elastic_launch(launch, worker)(cfgs, args.rounds, str(work))[0]
+                modes = {mode: plain(cfg) for mode, cfg in cfgs.items()}
+                launch(cfgs["full"], run_dir, plan, worker, modes, args.rounds, str(work))
+                out = json.loads((work / "result.json").read_text())
                 shutil.rmtree(work, ignore_errors=True)
                 print(
                     f"   done in {time.perf_counter() - start:.0f} s; round orders: "
@@ -481,6 +460,7 @@ def main() -> None:
         tmp.cleanup()
     print(f"\nranks:    backend {out['backend']}, device {out['device']}, {out['threads']} thread(s) per rank")
     print_report(configs, args.rounds)
+    print("bench/checkpoint.py: done")
 
 
 if __name__ == "__main__":
