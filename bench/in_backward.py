@@ -11,7 +11,7 @@ after the first `--skip` steps, and on CUDA the peak memory the harness logs,
 there is no allocator peak to read, and the process's peak RSS (`ru_maxrss`)
 swings by more than the gradients with glibc's heap, so the peak is measured
 by `torch.profiler` (`profile_memory=True`) in a separate run of the same loop
-(`harness.loop.train`, same config, one process): every allocation and free
+(`build_job` + `harness.loop.Trainer`, same config, one process): every allocation and free
 in steps `--skip`+1 ... `--skip`+3, in time order; the peak of their running
 sum is the step's peak above what was live when it started (parameters,
 optimizer state). Per round the in-backward run's figures are divided by (or,
@@ -23,6 +23,7 @@ per parameter: the sharded fp32 gradients the normal step holds until
 `optimizer.step()`), step time no worse than 1.05x.
 
     python bench/in_backward.py [--repeats 3] [--steps 12] [--width 1024] [--device cpu|cuda]
+    python bench/in_backward.py --smoke   # --repeats 1 --steps 3 --skip 1 --width 32 --device cpu
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+SMOKE_HELP = "the smallest run through every path of this bench, on CPU, in seconds (tests/test_bench.py)"
+SMOKE = ["--repeats", "1", "--steps", "3", "--skip", "1", "--width", "32", "--device", "cpu"]
 
 
 def command(args: argparse.Namespace, in_backward: bool, run_dir: Path) -> list[str]:
@@ -82,36 +85,25 @@ def run(cmd: list[str]) -> str:
 
 
 def profile_child(args: argparse.Namespace, in_backward: bool) -> None:
-    """Print the peak bytes allocated above the start of 3 profiled steps (CPU)."""
+    """Print the peak bytes allocated above the start of 3 profiled steps (CPU): the harness's own job
+    and loop (`build_job` + `Trainer`, one rank in this process, as `python train.py` runs it)."""
     import torch
-    from hydra import compose, initialize_config_dir
+    from harness_runs import check, compose, rank_env
     from omegaconf import open_dict
 
-    sys.path.insert(0, str(REPO))
-    from harness.checkpoint import Checkpointer
-    from harness.config import register_configs
-    from harness.dist import init_distributed
     from harness.job import build_job
-    from harness.loop import TrainState, train
-    from harness.metrics import MetricsSink
+    from harness.loop import Trainer
 
-    register_configs()
     overrides = [o for o in command(args, in_backward, Path("."))[2:] if not o.startswith(("hydra.", "launcher."))]
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        cfg = compose("config", overrides=overrides)
-    env = init_distributed("cpu", 600, None)
-    job, state = build_job(cfg, env), TrainState()
-    with tempfile.TemporaryDirectory() as tmp:
-        sink = MetricsSink(Path(tmp), cfg.wandb, {}, enabled=False)
-        checkpointer = Checkpointer(cfg.checkpoint, Path(tmp), 0, env.device, {})
-        for steps, profiled in ((args.skip, False), (args.skip + 3, True)):
-            with open_dict(cfg):
-                cfg.train.steps = steps
-            if not profiled:
-                train(job, sink, cfg.train, env, state, checkpointer)
-                continue
+    cfg = compose(overrides)
+    with open_dict(cfg):
+        cfg.train.steps = args.skip + 3
+    with tempfile.TemporaryDirectory() as tmp, rank_env(cfg, Path(tmp)) as env:
+        job = build_job(cfg, env, check(cfg, 1, Path(tmp)))
+        with Trainer(job, cfg, env, Path(tmp)) as trainer:
+            trainer.run(until=args.skip)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-                train(job, sink, cfg.train, env, state, checkpointer)
+                trainer.run()
     live = peak = 0
     for event in sorted(prof.events(), key=lambda e: e.time_range.start):
         live += event.self_cpu_memory_usage
@@ -127,7 +119,10 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=1024, help="model.d_model; hidden is 4x")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--profile-child", choices=("True", "False"), help=argparse.SUPPRESS)
+    parser.add_argument("--smoke", action="store_true", help=f"{SMOKE_HELP}: {' '.join(SMOKE)}")
     args = parser.parse_args()
+    if args.smoke:
+        args = parser.parse_args([*SMOKE, *sys.argv[1:]])
     if args.profile_child:
         profile_child(args, args.profile_child == "True")
         return
@@ -158,6 +153,7 @@ def main() -> None:
         f"(target >= 80 %: {'met' if saved >= 0.8 else 'missed'}), step time {ratio:.3f}x "
         f"(target <= 1.05x: {'met' if ratio <= 1.05 else 'missed'})"
     )
+    print("bench/in_backward.py: done")
 
 
 if __name__ == "__main__":
