@@ -14,6 +14,7 @@ a temporary file in the repository root for the run, so Hydra finds conf/).
 Runs alternate new/old and torchrun/python to cancel drift.
 
     python bench/exits.py [--runs 300] [--load 1] [--old [--old-every K]]
+    python bench/exits.py --smoke   # --runs 2 --load 0 --old --old-every 2: 3 runs, both launchers, both entries
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+SMOKE_HELP = "the smallest run through every path of this bench, on CPU, in seconds (tests/test_bench.py)"
+SMOKE = ["--runs", "2", "--load", "0", "--old", "--old-every", "2"]
 ARGS = [
     "model=mlp",
     "train.steps=4",
@@ -96,7 +99,10 @@ def main() -> None:
     parser.add_argument("--load", type=int, default=1, help="busy processes competing for the cores")
     parser.add_argument("--old", action="store_true", help="also run the pre-fix entry point, side by side")
     parser.add_argument("--old-every", type=int, default=1, help="with --old: run the old entry every K-th round")
+    parser.add_argument("--smoke", action="store_true", help=f"{SMOKE_HELP}: {' '.join(SMOKE)}")
     args = parser.parse_args()
+    if args.smoke:
+        args = parser.parse_args([*SMOKE, *sys.argv[1:]])
     entries = {"train.py (exit_now)": REPO / "train.py"}
     old = None
     if args.old:
@@ -142,6 +148,7 @@ def main() -> None:
             old.unlink()
     print(f"\nfinal: {args.runs} rounds, {args.load} busy process(es), {os.cpu_count()} cores")
     print_table(counts, times)
+    print("bench/exits.py: done")
 
 
 def print_table(counts: dict[tuple[str, str], Counter], times: dict[tuple[str, str], list[float]]) -> None:
