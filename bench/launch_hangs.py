@@ -1,6 +1,7 @@
 """Local rank launches that never finish: torch's elastic agent against the harness's launcher.
 
     python bench/launch_hangs.py [--seconds 180] [--nproc 4]
+    python bench/launch_hangs.py --smoke   # --seconds 1 --nproc 2: a launch or two per mode
 
 Each launch forks `--nproc` ranks that join a gloo group through env:// (one
 TCPStore connect each), all-reduce one number and leave. `agent` launches them
@@ -20,6 +21,7 @@ import argparse
 import datetime
 import logging
 import statistics
+import sys
 import time
 import uuid
 
@@ -29,6 +31,9 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from harness.launch import run_local_ranks
+
+SMOKE_HELP = "the smallest run through every path of this bench, on CPU, in seconds (tests/test_bench.py)"
+SMOKE = ["--seconds", "1", "--nproc", "2"]
 
 
 def join_and_leave(timeout_s: float) -> None:
@@ -65,7 +70,10 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=180, help="time per mode")
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--init-timeout-s", type=float, default=15)
+    parser.add_argument("--smoke", action="store_true", help=f"{SMOKE_HELP}: {' '.join(SMOKE)}")
     args = parser.parse_args()
+    if args.smoke:
+        args = parser.parse_args([*SMOKE, *sys.argv[1:]])
     logging.disable(logging.ERROR)  # a hang's tracebacks from torch's launchers: counted, not printed
     print(f"{'mode':8} {'launches':>9} {'hangs':>6} {'per 100':>8} {'median s':>9}")
     for mode, launch in (("agent", launch_with_agent), ("harness", launch_with_harness)):
@@ -77,10 +85,12 @@ def main() -> None:
             else:
                 hangs += 1
         launches = len(times) + hangs
+        median = statistics.median(times) if times else float("nan")  # nan: every launch hung
         print(
-            f"{mode:8} {launches:9d} {hangs:6d} {100 * hangs / launches:8.2f} {statistics.median(times):9.2f}",
+            f"{mode:8} {launches:9d} {hangs:6d} {100 * hangs / launches:8.2f} {median:9.2f}",
             flush=True,
         )
+    print("bench/launch_hangs.py: done")
 
 
 if __name__ == "__main__":
