@@ -35,7 +35,13 @@ command as it runs, so any figure can be reproduced by hand.
 
     python bench/averaging.py [--part loopback|link|all] [--steps 20] [--warmup 4]
                               [--periods 1,4,16] [--repeats 3] [--link-repeats 1]
-                              [--rates 1gbit,100mbit]
+                              [--rates 1gbit,100mbit] [--layouts hybrid,no_shard]
+    python bench/averaging.py --smoke   # part loopback, 2x2 hybrid, sync / sync, hook / period 1, 3 steps
+
+`--smoke` runs part `loopback` only, on plain loopback: the shaped link is
+what part `link` measures, and each of its runs costs two torchruns in
+namespaces, too slow for a smoke run (that part's namespaces and shaping do
+work on the 2-core machine as root).
 """
 
 from __future__ import annotations
@@ -67,6 +73,11 @@ MODEL = [
     "train.seq_len=32",
 ]
 LAYOUTS = {"2x2 hybrid": ["sharding=hybrid_shard", "sharding.replicate=2"], "4x1 no_shard": ["sharding=no_shard"]}
+SMOKE_HELP = "the smallest run through every path of this bench, on CPU, in seconds (tests/test_bench.py)"
+SMOKE = (
+    "--part loopback --layouts hybrid --periods 1 --steps 3 --warmup 2 --repeats 1 "
+    "--model model.d_model=32,model.hidden=64,model.n_layer=1"
+).split()
 LINK_LAYOUT = "2x2 hybrid"
 RUN_TIMEOUT_S = 600  # one training run, both nodes together
 CMD_TIMEOUT_S = 30  # one ip / tc command
@@ -142,8 +153,15 @@ def averagers(periods: list[int], warmup: int) -> list[Averager]:
     return [Averager("sync", ("averager=none",), None), hook_sync, *periodic]
 
 
-def train_overrides(steps: int, run_dir: Path) -> list[str]:
-    return [*MODEL, f"train.steps={steps}", "train.log_every=1", "wandb.mode=disabled", f"hydra.run.dir={run_dir}"]
+def train_overrides(steps: int, run_dir: Path, model: list[str]) -> list[str]:
+    return [
+        *MODEL,
+        *model,
+        f"train.steps={steps}",
+        "train.log_every=1",
+        "wandb.mode=disabled",
+        f"hydra.run.dir={run_dir}",
+    ]
 
 
 def summarize(run_dir: Path, warmup: int, steps: int, wall_s: float) -> RunResult:
@@ -305,35 +323,35 @@ def print_load() -> None:
 # ------------------------------------------------------------------ part 1: loopback
 
 
-def loopback_cmd(layout: str, averager: Averager, steps: int, run_dir: Path) -> list[str]:
+def loopback_cmd(layout: str, averager: Averager, steps: int, run_dir: Path, model: list[str]) -> list[str]:
     return [
         sys.executable,
         "train.py",
         "launcher.nproc=4",
         *LAYOUTS[layout],
         *averager.overrides,
-        *train_overrides(steps, run_dir),
+        *train_overrides(steps, run_dir, model),
     ]
 
 
 def part_loopback(args: argparse.Namespace, workdir: Path) -> None:
-    configs = [(layout, a) for layout in LAYOUTS for a in averagers(args.periods, args.warmup)]
+    configs = [(layout, a) for layout in args.layouts for a in averagers(args.periods, args.warmup)]
 
     def run_one(config: tuple, run_dir: Path, n: int) -> RunResult:
         run_dir.mkdir(parents=True)
         log, began = run_dir / "launcher.out", time.monotonic()
-        wait_all([start(loopback_cmd(*config, args.steps, run_dir), log)], [log], RUN_TIMEOUT_S)
+        wait_all([start(loopback_cmd(*config, args.steps, run_dir, args.model), log)], [log], RUN_TIMEOUT_S)
         return summarize(run_dir, args.warmup, args.steps, time.monotonic() - began)
 
     print(f"\n== part 1: loopback, 4 local ranks, {args.repeats} repeat(s) x {len(configs)} configs")
     print(
         "command per run (layout and averager overrides vary):\n  "
-        + shlex.join(loopback_cmd(*configs[-1], args.steps, workdir / "<run>"))
+        + shlex.join(loopback_cmd(*configs[-1], args.steps, workdir / "<run>", args.model))
     )
     print_load()
     rows = run_schedule(configs, args.repeats, run_one, workdir / "loopback")
     print_load()
-    for layout in LAYOUTS:
+    for layout in args.layouts:
         print_results(f"loopback, {layout}", [rows[c] for c in configs if c[0] == layout], args.steps - args.warmup)
 
 
@@ -495,7 +513,7 @@ def run_link(link: Link, args: argparse.Namespace, workdir: Path) -> None:
     shaped = [None]
 
     def train_args(averager: Averager, run_dir: Path) -> list[str]:
-        return [*LAYOUTS[LINK_LAYOUT], *averager.overrides, *train_overrides(args.steps, run_dir)]
+        return [*LAYOUTS[LINK_LAYOUT], *averager.overrides, *train_overrides(args.steps, run_dir, args.model)]
 
     def run_one(config: tuple, run_dir: Path, n: int) -> RunResult:
         rate, averager = config
@@ -535,7 +553,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="runs per loopback config")
     parser.add_argument("--link-repeats", type=int, default=1, help="runs per link config")
     parser.add_argument("--rates", type=lambda s: s.split(","), default=["1gbit", "100mbit"])
+    parser.add_argument(
+        "--layouts",
+        type=lambda s: [layout for name in s.split(",") for layout in LAYOUTS if layout.split()[1] == name],
+        default=list(LAYOUTS),
+        help="part loopback's layouts, by strategy: hybrid,no_shard",
+    )
+    parser.add_argument(
+        "--model", type=lambda s: s.split(","), default=[], help="overrides of the model's shape, after its defaults"
+    )
+    parser.add_argument("--smoke", action="store_true", help=f"{SMOKE_HELP}: {' '.join(SMOKE)}")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args = parser.parse_args([*SMOKE, *(sys.argv[1:] if argv is None else argv)])
+    if not args.layouts:
+        parser.error(f"--layouts: choose from {','.join(layout.split()[1] for layout in LAYOUTS)}")
     window, lcm = args.steps - args.warmup, math.lcm(*args.periods)
     if window <= 0 or window % lcm:
         parser.error(
@@ -555,7 +587,8 @@ def main() -> None:
     args = parse_args()
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, raise_on_signal)  # so the `with` blocks below still clean up
-    print(f"model: {' '.join(MODEL)}; {args.steps} steps per run, warm-up {args.warmup}, periods {args.periods}")
+    model = " ".join([*MODEL, *args.model])
+    print(f"model: {model}; {args.steps} steps per run, warm-up {args.warmup}, periods {args.periods}")
     print(LEGEND)
     began = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bench-averaging-") as tmp:
@@ -564,6 +597,7 @@ def main() -> None:
         if args.part in ("link", "all"):
             part_link(args, Path(tmp))
     print(f"\ntotal {time.monotonic() - began:.0f} s")
+    print("bench/averaging.py: done")
 
 
 if __name__ == "__main__":
