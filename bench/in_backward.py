@@ -11,7 +11,8 @@ after the first `--skip` steps, and on CUDA the peak memory the harness logs,
 there is no allocator peak to read, and the process's peak RSS (`ru_maxrss`)
 swings by more than the gradients with glibc's heap, so the peak is measured
 by `torch.profiler` (`profile_memory=True`) in a separate run of the same loop
-(`build_job` + `harness.loop.Trainer`, same config, one process): every allocation and free
+(`build_job` + `harness.loop.Trainer`, same config, one rank in the bench's
+own process, with a process group of its own per run): every allocation and free
 in steps `--skip`+1 ... `--skip`+3, in time order; the peak of their running
 sum is the step's peak above what was live when it started (parameters,
 optimizer state). Per round the in-backward run's figures are divided by (or,
@@ -73,8 +74,7 @@ def measure(args: argparse.Namespace, in_backward: bool, run_dir: Path) -> tuple
     step_s = statistics.median(r["train/step_time_s"] for r in rows[args.skip :])
     if args.device == "cuda":
         return max(r["memory/cuda_max_allocated_gb"] for r in rows if "train/loss" in r) * 2**30, step_s
-    child = [sys.executable, __file__, "--profile-child", str(in_backward), "--width", str(args.width)]
-    return float(run([*child, "--skip", str(args.skip)]).strip().splitlines()[-1]), step_s
+    return profile_peak(args, in_backward), step_s
 
 
 def run(cmd: list[str]) -> str:
@@ -84,9 +84,10 @@ def run(cmd: list[str]) -> str:
     return done.stdout
 
 
-def profile_child(args: argparse.Namespace, in_backward: bool) -> None:
-    """Print the peak bytes allocated above the start of 3 profiled steps (CPU): the harness's own job
-    and loop (`build_job` + `Trainer`, one rank in this process, as `python train.py` runs it)."""
+def profile_peak(args: argparse.Namespace, in_backward: bool) -> float:
+    """The peak bytes allocated above the start of 3 profiled steps (CPU): the harness's own job and
+    loop (`build_job` + `Trainer`), one rank in this process, as `python train.py` runs it, with a
+    process group of its own."""
     import torch
     from harness_runs import check, compose, rank_env
     from omegaconf import open_dict
@@ -108,7 +109,7 @@ def profile_child(args: argparse.Namespace, in_backward: bool) -> None:
     for event in sorted(prof.events(), key=lambda e: e.time_range.start):
         live += event.self_cpu_memory_usage
         peak = max(peak, live)
-    print(peak)
+    return float(peak)
 
 
 def main() -> None:
@@ -118,14 +119,10 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=2, help="first steps left out of the step time (start-up)")
     parser.add_argument("--width", type=int, default=1024, help="model.d_model; hidden is 4x")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--profile-child", choices=("True", "False"), help=argparse.SUPPRESS)
     parser.add_argument("--smoke", action="store_true", help=f"{SMOKE_HELP}: {' '.join(SMOKE)}")
     args = parser.parse_args()
     if args.smoke:
         args = parser.parse_args([*SMOKE, *sys.argv[1:]])
-    if args.profile_child:
-        profile_child(args, args.profile_child == "True")
-        return
     w, vocab = args.width, 256
     params = 2 * vocab * w + 4 * (2 * w + 2 * 4 * w * w + 5 * w) + 2 * w
     grad_bytes = 4 * params
