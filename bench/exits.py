@@ -14,7 +14,8 @@ a temporary file in the repository root for the run, so Hydra finds conf/).
 Runs alternate new/old and torchrun/python to cancel drift.
 
     python bench/exits.py [--runs 300] [--load 1] [--old [--old-every K]]
-    python bench/exits.py --smoke   # --runs 2 --load 0 --old --old-every 2: 3 runs, both launchers, both entries
+    python bench/exits.py --smoke   # --runs 2 --load 0 --old --old-every 2: new entry with python and
+                                    # torchrun, the old one with python: 3 runs
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ def main() -> None:
                         if i % args.old_every:
                             continue
                         turn = i // args.old_every  # its own runs alternate launchers too
-                    launcher = ("torchrun", "python")[turn % 2]
+                    launcher = ("python", "torchrun")[turn % 2]
                     code, out, seconds = run_once(entry, launcher, Path(tmp) / f"run{i}_{len(name)}")
                     key = (name, launcher)
                     c = counts.setdefault(key, Counter())
