@@ -25,7 +25,13 @@ over loopback, and the table says the wall times are not over a link.
 Goal reported against: DiLoCo's held-out loss within 2 % of sync at >= 10x
 fewer cross-replica bytes, and lower than post-local SGD at the same period.
 
-    python bench/quality.py [--steps 384] [--warmup 8] [--periods 16,64] [--rate 100mbit]
+    python bench/quality.py [--steps 384] [--warmup 8] [--periods 16,64] [--rate 100mbit] [--loopback]
+                            [hydra overrides for every run ...]
+    python bench/quality.py --smoke   # 4 steps, period 1, a 1-block GPT on 1 MB of text, over loopback
+
+`--smoke` runs over loopback (`--loopback`): the link changes the wall times,
+not the code path of the methods compared, and its two torchruns per method
+are too slow for a smoke run.
 """
 
 from __future__ import annotations
@@ -54,6 +60,9 @@ from averaging import (
 
 LAYOUT = ["sharding=hybrid_shard", "sharding.replicate=2"]
 SETTINGS = ["data=text", "optimizer=adamw", "train.log_every=1", "wandb.mode=disabled"]
+SMOKE_HELP = "the smallest run through every path of this bench, on CPU, in seconds (tests/test_bench.py)"
+SMOKE = "--steps 4 --warmup 2 --periods 1 --eval-batches 1 --loopback".split()
+SMOKE_OVERRIDES = "model.n_layer=1 model.d_model=32 train.batch_size=2 train.seq_len=32 data.max_bytes=1000000".split()
 
 
 @dataclass(frozen=True)
@@ -89,6 +98,7 @@ def train_args(method: Method, args: argparse.Namespace, run_dir: Path) -> list[
         f"train.steps={args.steps}",
         f"train.eval_every={args.steps}",
         f"train.eval_batches={args.eval_batches}",
+        *args.overrides,
         f"hydra.run.dir={run_dir}",
     ]
 
@@ -172,7 +182,12 @@ def main() -> None:
     parser.add_argument("--eval-batches", type=int, default=16, help="held-out batches of 8 x 64 bytes per rank")
     parser.add_argument("--rate", default="100mbit", help="the shaped link's rate (tc syntax)")
     parser.add_argument("--loopback", action="store_true", help="skip the link even where it can be built")
+    parser.add_argument("--smoke", action="store_true", help=f"{SMOKE_HELP}: {' '.join(SMOKE + SMOKE_OVERRIDES)}")
+    parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run, e.g. train.batch_size=4")
     args = parser.parse_args()
+    if args.smoke:
+        args = parser.parse_args([*SMOKE, *sys.argv[1:]])
+        args.overrides = [*SMOKE_OVERRIDES, *args.overrides]
     rate_bits(args.rate)
     began = time.monotonic()
     print_load()
@@ -192,6 +207,7 @@ def main() -> None:
     print_load()
     report(results, args, where)
     print(f"\ntotal {time.monotonic() - began:.0f} s")
+    print("bench/quality.py: done")
 
 
 if __name__ == "__main__":
