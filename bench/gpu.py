@@ -51,11 +51,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from harness_runs import SMOKE_HELP, check, compose, launch, rank_env
+from harness_runs import FSDP2_STRATEGIES, SMOKE_HELP, check, compose, launch, rank_env
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from harness.config import Strategy
 from harness.data import build_data
 from harness.dist import resolve_device, synchronize, visible_gpus
 from harness.job import build_job
@@ -89,7 +88,6 @@ CPU_DEFAULTS = [
 # backend (no inductor code generation, which takes minutes on a cold CPU cache)
 SMOKE = ["--nproc", "2", "--rounds", "1", "--steps-per-round", "1", "--compile-backend", "eager"]
 SMOKE_OVERRIDES = ["train.device=cpu", "model.n_layer=1", "train.seq_len=32", "train.batch_size=2"]
-FSDP_STRATEGIES = [s.value for s in Strategy if s is not Strategy.ddp]  # the minimal loop is FSDP2: ddp is not
 OVERHEAD_TARGET, PLAIN_TARGET, MFU_TARGET = 1.05, 1.0, 0.45
 
 
@@ -105,10 +103,10 @@ def compose_config(args: argparse.Namespace, run_dir: Path) -> tuple[DictConfig,
     with open_dict(cfg):  # the harness paths train in every round: train.steps bounds Trainer.run(until=...)
         cfg.train.steps = (args.rounds + 1) * args.steps_per_round
     plan = check(cfg, args.nproc, run_dir)
-    if cfg.sharding.strategy not in FSDP_STRATEGIES or averager_configured(cfg):
+    if cfg.sharding.strategy not in FSDP2_STRATEGIES or averager_configured(cfg):
         raise SystemExit(
             f"bench/gpu.py: the minimal loop is synchronous FSDP2: sharding must be one of "
-            f"{', '.join(FSDP_STRATEGIES)} and averager=none (got sharding={cfg.sharding.strategy}, "
+            f"{', '.join(FSDP2_STRATEGIES)} and averager=none (got sharding={cfg.sharding.strategy}, "
             f"averager={cfg.averager._target_})"
         )
     return cfg, plan

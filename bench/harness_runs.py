@@ -24,7 +24,7 @@ from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from omegaconf import DictConfig
 
-from harness.config import ConfigError, register_configs
+from harness.config import ConfigError, Strategy, register_configs
 from harness.dist import DistEnv, init_distributed, teardown, visible_gpus
 from harness.launch import exit_now, setup_logging, start_local_ranks
 from harness.plan import RunPlan, plan_run
@@ -33,6 +33,7 @@ from harness.validate import validate
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
+FSDP2_STRATEGIES = [s.value for s in Strategy if s is not Strategy.ddp]  # every layout but ddp is FSDP2
 SMOKE_HELP = "the smallest run through every path of this bench, on CPU, in seconds (tests/test_bench.py)"
 
 

@@ -33,11 +33,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from harness_runs import SMOKE_HELP, check, compose, launch, rank_env
+from harness_runs import FSDP2_STRATEGIES, SMOKE_HELP, check, compose, launch, rank_env
 from omegaconf import DictConfig, open_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from harness.config import Strategy
 from harness.data import build_data
 from harness.job import build_job
 from harness.loop import Trainer
@@ -46,7 +45,6 @@ from harness.optim import clip_grad_norm_
 from harness.plan import RunPlan
 from harness.sharding import RESHARD_AFTER_FORWARD
 
-FSDP_STRATEGIES = [s.value for s in Strategy if s is not Strategy.ddp]  # ddp is no FSDP2 layout
 TARGET = 1.03
 SMOKE = ["--nproc", "2", "--rounds", "2", "--steps-per-round", "2", "--model", "mlp"]
 
@@ -186,7 +184,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30, help="including one warm-up round")
     parser.add_argument("--steps-per-round", type=int, default=10)
     parser.add_argument("--model", choices=("gpt", "mlp"), default="gpt")
-    parser.add_argument("--strategy", choices=FSDP_STRATEGIES, default="full_shard")
+    parser.add_argument("--strategy", choices=FSDP2_STRATEGIES, default="full_shard")
     parser.add_argument("--smoke", action="store_true", help=f"{SMOKE_HELP}: {' '.join(SMOKE)}")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides, e.g. train.batch_size=16")
     args = parser.parse_args()
