@@ -8,13 +8,14 @@ failures), `logs`, `exit`."""
 from harness.launch.argv import is_multirun, prepare_torchrun_rank, refuse_unwritable_run_dir
 from harness.launch.check import check_config, local_rank_count, start_method
 from harness.launch.entry import start
-from harness.launch.exit import exit_now
+from harness.launch.exit import exit_now, exit_now_when_done
 from harness.launch.logs import setup_logging
 from harness.launch.ranks import free_port, run_local_ranks, start_local_ranks
 
 __all__ = [
     "check_config",
     "exit_now",
+    "exit_now_when_done",
     "free_port",
     "is_multirun",
     "local_rank_count",

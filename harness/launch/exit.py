@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import NoReturn
 
 
@@ -25,3 +28,22 @@ def exit_now(code: int | str | None) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code or 0)
+
+
+@contextmanager
+def exit_now_when_done() -> Iterator[None]:
+    """A started rank's body: the process then leaves through `exit_now` with the
+    body's exit code. A forked rank already does (multiprocessing ends it with
+    `os._exit`), but a spawned one (CUDA) ends in `sys.exit` and would finalize.
+    It cannot leave inside the body, before the launcher has read its return
+    value, so it leaves from an exit handler: the last one registered runs
+    first, before any object is torn down."""
+    code: int | str | None = 1  # an exception: multiprocessing's exit code for it
+    try:
+        yield
+        code = 0
+    except SystemExit as e:
+        code = e.code
+        raise
+    finally:
+        atexit.register(exit_now, code)

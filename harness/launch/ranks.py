@@ -5,7 +5,6 @@ elastic's error file, which the launcher (or torchrun) reads back."""
 
 from __future__ import annotations
 
-import atexit
 import json
 import logging
 import os
@@ -22,7 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from harness.checkpoint import CheckpointError
 from harness.launch.check import start_method
-from harness.launch.exit import exit_now
+from harness.launch.exit import exit_now_when_done
 from harness.launch.logs import setup_logging
 from harness.loop import NonFiniteLossError, run_rank
 from harness.plan import RunPlan
@@ -118,24 +117,10 @@ def record_failure(reason: str) -> None:
 
 
 def rank_entrypoint(cfg: DictConfig, run_dir: Path, plan: RunPlan) -> None:
-    """A locally started rank's process; must live in an importable module for the launcher.
-
-    It leaves through `exit_now` like train.py. A forked rank already does
-    (multiprocessing ends it with `os._exit`), but a spawned one (CUDA) ends in
-    `sys.exit` and would finalize. It cannot leave here, before the launcher has
-    read its return value, so it leaves from an exit handler: the last one
-    registered runs first, before any object is torn down.
-    """
+    """A locally started rank's process (in an importable module, for the launcher); it leaves like train.py."""
     setup_logging(run_dir, int(os.environ["RANK"]))
-    code: int | str | None = 1  # an exception: multiprocessing's exit code for it
-    try:
+    with exit_now_when_done():
         train_or_exit(cfg, run_dir, plan)
-        code = 0
-    except SystemExit as e:
-        code = e.code
-        raise
-    finally:
-        atexit.register(exit_now, code)
 
 
 def train_or_exit(cfg: DictConfig, run_dir: Path, plan: RunPlan) -> None:
