@@ -12,7 +12,6 @@ the script as multiprocessing's main module).
 
 from __future__ import annotations
 
-import atexit
 import functools
 import os
 import sys
@@ -26,7 +25,7 @@ from omegaconf import DictConfig
 
 from harness.config import ConfigError, Strategy, register_configs
 from harness.dist import DistEnv, init_distributed, teardown, visible_gpus
-from harness.launch import exit_now, setup_logging, start_local_ranks
+from harness.launch import exit_now_when_done, setup_logging, start_local_ranks
 from harness.plan import RunPlan, plan_run
 from harness.rng import seed_rank
 from harness.validate import validate
@@ -71,16 +70,9 @@ def launch(cfg: DictConfig, run_dir: Path, plan: RunPlan, rank_fn: Callable, *ar
 
 
 def _rank_main(rank_fn: Callable, args: tuple, cfg: DictConfig, run_dir: Path, plan: RunPlan) -> None:
-    """A started rank, leaving as `harness.launch.ranks.rank_entrypoint` does (a spawned one through `exit_now`)."""
-    code: int | str | None = 1
-    try:
+    """A started rank; it leaves as the harness's own ranks do (a spawned one through `exit_now`)."""
+    with exit_now_when_done():
         rank_fn(cfg, run_dir, plan, *args)
-        code = 0
-    except SystemExit as e:
-        code = e.code
-        raise
-    finally:
-        atexit.register(exit_now, code)
 
 
 @contextmanager
