@@ -187,6 +187,7 @@ class SGDConf:
     nesterov: bool = False
     fused: Optional[bool] = None  # null = fused kernels on CUDA, the class's default elsewhere
     in_backward: bool = False  # step each parameter as soon as its gradient is ready (FSDP2 strategies)
+    decay_1d: bool = False  # weight decay on 1-D parameters too (biases, norm weights); false: matrices only
 
 
 @dataclass
@@ -199,12 +200,22 @@ class AdamConf:
     weight_decay: float = 0.0
     fused: Optional[bool] = None  # null = fused kernels on CUDA, the class's default elsewhere
     in_backward: bool = False  # step each parameter as soon as its gradient is ready (FSDP2 strategies)
+    decay_1d: bool = False  # weight decay on 1-D parameters too (biases, norm weights); false: matrices only
 
 
 @dataclass
 class AdamWConf(AdamConf):
     _target_: str = "torch.optim.AdamW"
     weight_decay: float = 0.01
+
+
+def decays_matrices_only(optimizer) -> bool:
+    """Whether the optimizer config `optimizer` (a schema's, a plain dict, one
+    saved in a checkpoint's meta.json) gives its weight decay to parameters of 2
+    or more dimensions only, in two groups (`harness.optim.param_groups`).
+    Without `decay_1d` (a YAML that pulls in no schema, a checkpoint saved
+    before the key existed) it is one group, as every optimizer was then."""
+    return not optimizer.get("decay_1d", True) and bool(optimizer.get("weight_decay"))
 
 
 # --- learning-rate schedule (harness.lr_schedules) -------------------------------

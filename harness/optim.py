@@ -14,19 +14,38 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.tensor import DTensor
 
+from harness.config import decays_matrices_only
 from harness.dist import local_view
 
-HARNESS_KEYS = ("in_backward",)  # optimizer-group keys the harness reads, not the class's arguments
+HARNESS_KEYS = ("in_backward", "decay_1d")  # optimizer-group keys the harness reads, not the class's arguments
 
 
 def build_optimizer(cfg: DictConfig, params, device: torch.device) -> torch.optim.Optimizer:
-    """The optimizer `cfg` names over `params`, which live on `device`.
-    `fused: null` picks the fused kernels on CUDA (one launch for all
-    parameters) and the class's own default elsewhere."""
+    """The optimizer `cfg` names over `params`, which live on `device`, in the
+    groups `param_groups` makes. `fused: null` picks the fused kernels on CUDA
+    (one launch for all parameters) and the class's own default elsewhere."""
     spec = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k not in HARNESS_KEYS}
     if "fused" in spec and spec["fused"] is None:
         spec["fused"] = True if device.type == "cuda" else None
-    return instantiate(spec, _convert_="all")(params)
+    return instantiate(spec, _convert_="all")(param_groups(cfg, params))
+
+
+def param_groups(cfg: DictConfig, params) -> list:
+    """`params` as the optimizer's groups: with `weight_decay` set and
+    `decay_1d=false`, the configured decay for parameters of 2 or more
+    dimensions (matrices, embeddings) and none for the rest (biases, norm
+    weights), as nanoGPT and torchtitan do; otherwise one group (a plain list).
+    An empty group is left out. By `ndim`, which a DTensor reports for the full
+    tensor and its local shard shares (sharding splits dimensions, never
+    flattens them), so DiLoCo's outer copies of the local shards group like
+    their parameters."""
+    params = list(params)
+    if not decays_matrices_only(cfg):
+        return params
+    matrices = [p for p in params if p.ndim >= 2]
+    others = [p for p in params if p.ndim < 2]
+    groups = [{"params": matrices}, {"params": others, "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
 
 
 def build_local_optimizer(cfg: DictConfig, params, device: torch.device):
@@ -42,9 +61,12 @@ class StepInBackward:
     model's gradients never exist together (PyTorch's
     `_apply_optimizer_in_backward`, torchtitan's optimizer in backward).
 
-    Stands in for the optimizer in the loop: `step` has nothing left to do
-    (PostLocalSGDOptimizer's averaging still follows it); `param_groups` is one
-    group over every parameter (the logged lr, the averager's parameters);
+    Each parameter's optimizer is `build_optimizer` over that parameter alone,
+    so it gets the weight decay its group would (`param_groups`). Stands in for
+    the optimizer in the loop: `step` has nothing left to do
+    (PostLocalSGDOptimizer's averaging still follows it); its `param_groups`
+    is one group over every parameter (the logged lr, the averager's
+    parameters);
     `optimizers` are the per-parameter ones, which
     `torch.distributed.checkpoint.state_dict` saves and loads as one
     FQN-keyed optimizer state dict.

@@ -1,7 +1,8 @@
 """The arithmetic under the multi-rank runs, checked in one process in a few
 seconds: the averaging schedules and the one warmup test, DiLoCo's fragment
 plan and sync, the byte accounting of the cross-replica mean, gradient
-clipping and the FLOP count.
+clipping, the FLOP count, the learning-rate schedules and the weight-decay
+groups.
 
 A world of 4 runs in this process on torch's fake process group, whose
 collectives do nothing: it checks byte counts and buffer shapes, not values.
@@ -33,6 +34,7 @@ from harness.averaging import (
     plan_fragments,
     schedule,
 )
+from harness.config import AdamWConf
 from harness.lr_schedules import build_lr_schedule
 from harness.models import GPT, TokenMLP
 from harness.optim import build_local_optimizer, clip_grad_norm_
@@ -367,3 +369,83 @@ def test_schedule_position_round_trips_through_a_checkpoint_part():
         lr_schedule.schedulers[0].optimizer.step()
         lr_schedule.step()
     assert resumed.lr == trained.lr and resumed.schedulers[0].last_epoch == 6
+
+
+# -- weight-decay groups -------------------------------------------------------------
+
+GPT_MATRICES = {  # every parameter of 2 dimensions in a 1-block GPT: the ones weight decay falls on by default
+    "tok_emb.weight",
+    "pos_emb.weight",
+    "blocks.0.attn.qkv.weight",
+    "blocks.0.attn.out_proj.weight",
+    "blocks.0.mlp.fc.weight",
+    "blocks.0.mlp.out_proj.weight",
+    "head.weight",
+}
+
+
+def one_block_gpt() -> GPT:
+    return GPT(n_layer=1, n_head=2, d_model=8, vocab_size=16, seq_len=4)
+
+
+def adamw(**overrides):
+    """The adamw schema's defaults (weight_decay 0.01, decay_1d false) with `overrides`."""
+    return OmegaConf.merge(OmegaConf.structured(AdamWConf), overrides)
+
+
+def decay_by_fqn(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {names[id(p)]: group["weight_decay"] for group in optimizer.param_groups for p in group["params"]}
+
+
+def test_weight_decay_falls_on_matrices_only_by_default():
+    model = one_block_gpt()
+    optimizer = build_local_optimizer(adamw(), model.parameters(), torch.device("cpu"))
+    assert len(optimizer.param_groups) == 2
+    decays = decay_by_fqn(model, optimizer)
+    assert decays.keys() == dict(model.named_parameters()).keys()
+    assert {n for n, d in decays.items() if d == 0.01} == GPT_MATRICES
+    vectors = {n for n, p in model.named_parameters() if p.ndim == 1}
+    assert {n for n, d in decays.items() if d == 0.0} == vectors  # biases, LayerNorm weights and biases
+    assert {"blocks.0.ln_attn.weight", "blocks.0.attn.qkv.bias", "ln_f.bias"} <= vectors
+
+
+@pytest.mark.parametrize("overrides", [{"decay_1d": True}, {"weight_decay": 0.0}], ids=["decay_1d", "no decay"])
+def test_decay_1d_or_no_weight_decay_keeps_one_group(overrides):
+    model = one_block_gpt()
+    optimizer = build_local_optimizer(adamw(**overrides), model.parameters(), torch.device("cpu"))
+    [group] = optimizer.param_groups
+    assert len(group["params"]) == len(list(model.parameters()))
+    assert group["weight_decay"] == overrides.get("weight_decay", 0.01)
+
+
+def test_in_backward_gives_each_parameters_optimizer_its_decay():
+    model = one_block_gpt()
+    optimizer = build_local_optimizer(adamw(in_backward=True), model.parameters(), torch.device("cpu"))
+    names = {id(p): n for n, p in model.named_parameters()}
+    decays = {}
+    for per_parameter in optimizer.optimizers:
+        [group] = per_parameter.param_groups
+        [param] = group["params"]
+        decays[names[id(param)]] = group["weight_decay"]
+    assert {n for n, d in decays.items() if d == 0.01} == GPT_MATRICES
+    assert len(decays) == len(names) and set(decays.values()) == {0.01, 0.0}
+
+
+def test_fsdp2_parameters_and_their_local_shards_group_by_the_full_tensors_dimensions(world_of_1):
+    """Under FSDP2 the parameters are DTensors, whose `ndim` is the full
+    tensor's; DiLoCo's outer optimizer steps their local shards, which keep it."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from harness.averaging.diloco import OuterState
+
+    model = one_block_gpt()
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    optimizer = build_local_optimizer(adamw(), model.parameters(), torch.device("cpu"))
+    assert {n for n, d in decay_by_fqn(model, optimizer).items() if d == 0.01} == GPT_MATRICES
+    outer = OuterState(model, adamw(), "device", 1, world_of_1)
+    by_tensor = {id(t): n for n, t in zip(outer.names, outer.tensors)}
+    outer_decays = {by_tensor[id(t)]: g["weight_decay"] for g in outer.optimizer.param_groups for t in g["params"]}
+    assert {n for n, d in outer_decays.items() if d == 0.01} == GPT_MATRICES

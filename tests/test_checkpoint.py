@@ -209,6 +209,31 @@ def test_diverged_replicas_load_as_their_mean_into_another_replica_count(tmp_pat
 
 
 @pytest.mark.slow
+def test_a_checkpoint_with_weight_decay_on_every_parameter_resumes_only_with_decay_1d_true(tmp_path, cli_env):
+    """A checkpoint as saved before `optimizer.decay_1d` existed: trained with
+    `decay_1d=true` (the one group of those days, decay on every parameter),
+    and the key dropped from its meta.json, which is all that differs from
+    what the harness wrote then. The new default (two groups) is refused before
+    any rank starts and writes nothing; `decay_1d=true` continues it."""
+    run = tmp_path / "run"
+    common = ["launcher.nproc=2", "sharding=no_shard", "averager=none", "optimizer=adamw", "checkpoint=full"]
+    train(run, cli_env, *common, "train.steps=2", "optimizer.decay_1d=true")
+    meta_file = run / "checkpoints" / "step_2" / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    del meta["config"]["optimizer"]["decay_1d"]
+    meta_file.write_text(json.dumps(meta))
+    before = sorted(p.name for p in run.rglob("*"))
+    refused = run_cli([*SMALL, f"hydra.run.dir={run}", *common, "train.steps=3"], cli_env, REPO)
+    out = refused.stdout + refused.stderr
+    assert refused.returncode != 0 and "Traceback" not in out
+    assert "saved before decay_1d existed" in out and "Fix: optimizer.decay_1d=true" in out, out
+    assert sorted(p.name for p in run.rglob("*")) == before
+    train(run, cli_env, *common, "train.steps=3", "optimizer.decay_1d=true")
+    [group] = saved_state(run / "checkpoints" / "step_3", tmp_path)["optim"]["param_groups"]
+    assert group["weight_decay"] == 0.01
+
+
+@pytest.mark.slow
 def test_only_complete_checkpoints_count_and_leftovers_are_removed(tmp_path, cli_env):
     run = tmp_path / "run"
     train(

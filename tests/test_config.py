@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from harness.checkpoint import resume_path
-from harness.config import ConfigError, register_configs
+from harness.config import ConfigError, plain, register_configs
 from harness.dist import visible_gpus
 from harness.launch import local_rank_count
 from harness.launch.check import train_one_replica_synchronously
@@ -585,3 +585,64 @@ def test_an_added_unknown_key_names_the_closest_key(override, fix):
     with pytest.raises(ConfigError) as info:
         validate(make(override), world_size=2, gpus=0)
     assert fix in str(info.value), info.value
+
+
+# -- weight-decay groups across a resume (check_compatible) -------------------------
+
+
+def saved_meta(*overrides: str, old: bool = False) -> dict:
+    """What check_compatible reads from meta.json of a checkpoint saved by a run
+    of `overrides`. `old`: saved before `decay_1d` existed, when every optimizer
+    had one group, decay on every parameter: the same config without the key,
+    as the harness then wrote it (no other optimizer key has changed since)."""
+    cfg = make(*overrides)
+    meta = {"model": OmegaConf.to_container(cfg.model), "optimizer": cfg.optimizer._target_, "config": plain(cfg)}
+    if old:
+        for opt in (meta["config"]["optimizer"], meta["config"]["averager"].get("outer_optimizer")):
+            if opt:
+                del opt["decay_1d"]
+    return meta
+
+
+OUTER_ADAMW = ["averager=diloco", "averager/outer_optimizer=adamw"]
+DECAY_RESUMES = [  # (id, saved by, old checkpoint?, resumed with, texts of the refusal or None: it resumes)
+    ("old, new default", [], True, [], ["saved before decay_1d existed", "Fix: optimizer.decay_1d=true to continue"]),
+    ("old, decay_1d=true", [], True, ["optimizer.decay_1d=true"], None),
+    ("old sgd, no decay", ["optimizer=sgd"], True, ["optimizer=sgd"], None),
+    ("new, decay_1d=true", [], False, ["optimizer.decay_1d=true"], ["on matrices only", "optimizer.decay_1d=false"]),
+    ("new, same", [], False, [], None),
+    ("no decay, decay set", ["optimizer.weight_decay=0"], False, [], ["Fix: optimizer.weight_decay=0.0 to continue"]),
+    ("decay, none set", [], False, ["optimizer.weight_decay=0"], ["Fix: optimizer.weight_decay=0.01 to continue"]),
+    (
+        "old outer adamw",
+        OUTER_ADAMW,
+        True,
+        [*OUTER_ADAMW, "optimizer.decay_1d=true"],
+        ["averager.outer_optimizer.weight_decay=0.01 on every parameter", "outer_optimizer.decay_1d=true"],
+    ),
+    ("old outer nesterov", ["averager=diloco"], True, ["averager=diloco", "optimizer.decay_1d=true"], None),
+]
+
+
+@pytest.mark.parametrize(
+    "saved_by,old,resumed_with,expected", [r[1:] for r in DECAY_RESUMES], ids=[r[0] for r in DECAY_RESUMES]
+)
+def test_a_resume_keeps_the_weight_decay_groups(saved_by, old, resumed_with, expected, tmp_path):
+    from harness.checkpoint import check_compatible
+
+    errors = check_compatible(saved_meta(*saved_by, old=old), make(*resumed_with), tmp_path)
+    if expected is None:
+        assert errors == []
+        return
+    [error] = errors
+    for text in [*expected, "param group", "checkpoint.resume=never"]:
+        assert text in error, f"{text!r} not in:\n{error}"
+
+
+def test_an_old_checkpoint_resumed_by_the_new_default_is_refused_before_any_rank_starts(tmp_path):
+    meta = saved_meta(old=True)
+    fake_checkpoint(tmp_path / "old" / "step_5", 5, **meta)
+    with pytest.raises(ConfigError, match="optimizer.decay_1d=true to continue as saved"):
+        validate_and_preflight(make(f"checkpoint.resume={tmp_path}/old/step_5"), tmp_path / "run")
+    resume = f"checkpoint.resume={tmp_path}/old/step_5"
+    validate_and_preflight(make(resume, "optimizer.decay_1d=true"), tmp_path / "run")

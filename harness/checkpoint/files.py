@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from harness.config import decays_matrices_only
+
 log = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -115,7 +117,56 @@ def check_compatible(meta: dict, cfg: DictConfig, path: Path) -> list[str]:
             f"optimizer._target_={cfg.optimizer._target_}. Fix: resume with the saved optimizer, or "
             "checkpoint.resume=never with a new hydra.run.dir."
         )
+    return errors + _decay_group_errors(meta.get("config") or {}, cfg, path)
+
+
+def _decay_group_errors(saved: dict, cfg: DictConfig, path: Path) -> list[str]:
+    """A resume keeps each optimizer's weight-decay groups (`decay_1d`): saved
+    param groups do not load into other ones (DCP matches groups by their
+    parameters' FQNs, so a new group gets no hyperparameters, or two saved ones
+    the last's), and the training it continues would change unasked. A
+    checkpoint saved before `decay_1d` existed has one group."""
+    errors = []
+    for key in ("optimizer", "averager.outer_optimizer"):
+        configured, saved_opt = OmegaConf.select(cfg, key), _select(saved, key)
+        if configured is None or saved_opt is None:
+            continue  # no outer optimizer configured, or none saved (its state starts fresh)
+        saved_split = decays_matrices_only(saved_opt)
+        if saved_split == decays_matrices_only(configured):
+            continue
+        as_saved = {"decay_1d": saved_opt.get("decay_1d", True), "weight_decay": saved_opt.get("weight_decay", 0.0)}
+        fix = next(  # the fewest saved values that give the saved groups back
+            keys
+            for keys in (("decay_1d",), ("weight_decay",), ("decay_1d", "weight_decay"))
+            if decays_matrices_only({**configured, **{k: as_saved[k] for k in keys}}) == saved_split
+        )
+        errors.append(
+            f"checkpoint.resume: the checkpoint at {str(path)!r} was saved with "
+            f"{_decay_groups(saved_opt, key, 'saved before decay_1d existed')}, but this run has "
+            f"{_decay_groups(configured, key, 'no decay_1d key')}; a resume keeps the weight-decay groups. Fix: "
+            f"{' '.join(f'{key}.{k}={str(as_saved[k]).lower()}' for k in fix)} to continue as saved, or "
+            "checkpoint.resume=never with a new hydra.run.dir to start fresh."
+        )
     return errors
+
+
+def _decay_groups(optimizer, key: str, without_key: str) -> str:
+    """How the optimizer config `optimizer` (at `key`) gives its weight decay,
+    in words (`without_key`: why it has no `decay_1d`)."""
+    decay = optimizer.get("weight_decay", 0.0)
+    if decays_matrices_only(optimizer):
+        return f"{key}.weight_decay={decay} on matrices only ({key}.decay_1d=false: two param groups)"
+    if not decay:
+        return f"{key}.weight_decay=0 (one param group)"
+    flag = f"{key}.decay_1d=true" if "decay_1d" in optimizer else without_key
+    return f"{key}.weight_decay={decay} on every parameter ({flag}: one param group)"
+
+
+def _select(tree: dict, key: str):
+    """`tree`'s value at the dotted `key`; None where a level is missing."""
+    for part in key.split("."):
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    return tree
 
 
 def write_durably(obj: Any, path: Path) -> None:
