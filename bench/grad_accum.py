@@ -120,6 +120,7 @@ def main() -> None:
     median = statistics.median(ratios)
     verdict = "meets" if median <= TARGET else "misses"
     print(f"median ratio {median:.3f} ({verdict} the target <= {TARGET})")
+    print("bench/grad_accum.py: done")
 
 
 if __name__ == "__main__":

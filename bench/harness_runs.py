@@ -70,7 +70,7 @@ def launch(cfg: DictConfig, run_dir: Path, plan: RunPlan, rank_fn: Callable, *ar
 
 
 def _rank_main(rank_fn: Callable, args: tuple, cfg: DictConfig, run_dir: Path, plan: RunPlan) -> None:
-    """A started rank; it leaves as the harness's own ranks do (a spawned one through `exit_now`)."""
+    """A started rank, leaving as the harness's own ranks do."""
     with exit_now_when_done():
         rank_fn(cfg, run_dir, plan, *args)
 
