@@ -74,6 +74,12 @@ class DType(Choice):
     float16 = "float16"
 
 
+class ActivationCheckpointing(Choice):
+    none = "none"  # keep every block's activations for backward
+    full = "full"  # recompute every block's activations in backward
+    selective = "selective"  # recompute every other block's (torchtitan's layer-level selective AC)
+
+
 class CommDType(Choice):
     float32 = "float32"
     bfloat16 = "bfloat16"  # sent in bf16, summed in fp32: half the bytes
@@ -143,6 +149,7 @@ class GPTConf:
     d_model: int = 128
     vocab_size: int = 256
     dropout: float = 0.0  # attention and residual dropout (drawn from each rank's seeded torch RNG)
+    activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.none
 
 
 @dataclass
@@ -153,6 +160,7 @@ class MLPConf:
     hidden: int = 256
     vocab_size: int = 256
     dropout: float = 0.0  # residual dropout (drawn from each rank's seeded torch RNG)
+    activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.none
 
 
 # --- data -----------------------------------------------------------------------

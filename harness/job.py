@@ -16,7 +16,7 @@ from harness.lr_schedules import LRSchedule, build_lr_schedule
 from harness.mesh import build_mesh
 from harness.models import build_model
 from harness.optim import StepInBackward, build_local_optimizer
-from harness.sharding import apply_sharding, compile_blocks
+from harness.sharding import apply_sharding, checkpoint_activations, compile_blocks
 
 if TYPE_CHECKING:  # plan imports the checkpoint package, which imports this module
     from harness.plan import RunPlan
@@ -81,6 +81,7 @@ def build_job(cfg: DictConfig, env: DistEnv, plan: RunPlan) -> Job:
     mesh = build_mesh(plan.replicate, plan.shard, env.device.type)
     model = build_model(cfg.model, cfg.train.seq_len)
     flops_per_token = model.flops_per_token(cfg.train.seq_len)
+    checkpoint_activations(model, cfg.model.activation_checkpointing)
     if cfg.train.compile:
         compile_blocks(model)
     model = apply_sharding(model, mesh, cfg.sharding, env.device, cfg.train.seed, replicas_train_alone=plan.averaging)

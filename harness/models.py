@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from harness.rng import seeded_generator
@@ -147,10 +147,15 @@ def require_probability(dropout: float) -> None:
         raise ValueError(f"model.dropout={dropout} must be in [0, 1). Fix: model.dropout=0.1, or 0.0 for none.")
 
 
+# model-group keys the harness applies to any model (harness.sharding), not arguments of the class
+HARNESS_KEYS = ("activation_checkpointing",)
+
+
 def build_model(cfg: DictConfig, seq_len: int) -> TokenLM:
     """The model `cfg._target_` names, on the meta device."""
+    spec = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k not in HARNESS_KEYS}
     with torch.device("meta"):
-        return instantiate(cfg, _partial_=True)(seq_len=seq_len)
+        return instantiate(spec, _partial_=True)(seq_len=seq_len)
 
 
 @torch.no_grad()

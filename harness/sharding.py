@@ -9,11 +9,14 @@ replicas train on their own (post-local SGD): then each replica is sharded on
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
 
 from harness.config import ShardingConf
 from harness.models import materialize
@@ -32,6 +35,25 @@ def resolve_dtype(name: str, device: torch.device, *, low_precision_on_cuda: boo
     if name == "auto":
         return torch.bfloat16 if low_precision_on_cuda and device.type == "cuda" else torch.float32
     return getattr(torch, name)
+
+
+def checkpoint_activations(model: nn.Module, mode: str) -> None:
+    """`model.activation_checkpointing`: recompute blocks' activations in backward
+    instead of keeping them, through PyTorch's non-reentrant checkpointing —
+    `full` every block, `selective` every other block (torchtitan's layer-level
+    selective AC). Applied before compiling and sharding, as torchtitan does.
+
+    The block's forward is replaced, not the module wrapped, so parameter names
+    (and with them the seeded initial values and checkpoint keys) stay as they
+    are; FSDP2's hooks stay on the block, whose backward all-gathers the
+    parameters before the recompute runs. The RNG state is preserved, so
+    dropout recomputes the same mask and training is unchanged bit for bit.
+    """
+    if mode == "none":
+        return
+    for index, block in enumerate(model.blocks):
+        if mode == "full" or index % 2 == 0:
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
 
 
 def compile_blocks(model: nn.Module) -> None:

@@ -25,6 +25,7 @@ from harness.config import EXTRA_KEYS, ConfigError, Strategy
 from harness.data import data_source
 from harness.dist import resolve_device, under_torchrun
 from harness.mesh import mesh_shape
+from harness.models import HARNESS_KEYS as MODEL_HARNESS_KEYS
 from harness.models import build_model
 from harness.optim import HARNESS_KEYS
 from harness.plan import averager_configured
@@ -166,7 +167,7 @@ def _check_model_and_data(cfg: DictConfig) -> list[str]:
     (the model on the meta device; sources are cheap until `open()`)."""
     errors = []
     model_cls, model_errors = target_class(
-        cfg.model, "model", torch.nn.Module, "torch.nn.Module", ("seq_len",), "gpt|mlp"
+        cfg.model, "model", torch.nn.Module, "torch.nn.Module", ("seq_len",), "gpt|mlp", MODEL_HARNESS_KEYS
     )
     data_cls, data_errors = target_class(
         cfg.data, "data", object, "data source", ("vocab_size", "seed"), "synthetic|text"

@@ -207,6 +207,11 @@ COMPOSITION = [
         "harness: train.steps=1,2 is a sweep over several values, which needs -m. Fix: `python train.py -m ... "
         "train.steps=1,2` runs one job per value; train.steps=[1,2] is a list, train.steps='1,2' a string.",
     ),
+    (
+        ["model.activation_checkpointing=ful"],
+        "harness: model.activation_checkpointing=ful: model.activation_checkpointing must be one of "
+        "none|full|selective. Fix: model.activation_checkpointing=full (the closest value)",
+    ),
     (["train.steps"], "harness: the override 'train.steps' cannot be parsed (missing EQUAL at '<EOF>')."),
     (["-m", "averager.period=2,4,x"], "harness: averager.period=x: averager.period takes an integer."),
     (

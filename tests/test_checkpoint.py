@@ -43,6 +43,7 @@ LAYOUTS = {
         "averager.fragments=2",
         "averager.warmup_steps=4",
         "averager.comm_dtype=bfloat16",
+        "model.activation_checkpointing=full",  # recomputed in backward: resume stays exact
     ],
 }
 PROBE = REPO / "tests" / "probes" / "checkpoint_probe.py"

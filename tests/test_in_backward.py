@@ -1,6 +1,8 @@
 """`optimizer.in_backward=true` with real ranks: each parameter steps inside
 backward, bitwise like the normal step, with and without averaging, and its
-per-parameter optimizers checkpoint and resume exactly."""
+per-parameter optimizers checkpoint and resume exactly. The in-backward runs
+also recompute activations (`model.activation_checkpointing`), with dropout on:
+bitwise equal to the normal step keeping them, so checkpointing changes nothing."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ CASES = {  # SGD and AdamW, with and without averaging, on both layouts (the res
     "2x1": [("sgd", POST_LOCAL)],
     "2x2": [("adamw", ["averager=none"])],
 }
+RECOMPUTE = {"2x1": "full", "2x2": "selective"}  # activation checkpointing in the in-backward run
 
 
 def train(run_dir: Path, env: dict, *overrides: str) -> None:
@@ -34,10 +37,17 @@ def test_in_backward_steps_bitwise_like_the_normal_step(layout, tmp_path, cli_en
         momentum = ["optimizer.momentum=0.9"] if optimizer == "sgd" else []  # so SGD has state to compare too
         schedule = ["lr_scheduler=warmup_cosine", "lr_scheduler.warmup_steps=3"]  # each parameter's optimizer follows
         common = [*LAYOUTS[layout], f"optimizer={optimizer}", *momentum, *averaging, *schedule, "checkpoint=full"]
+        common.append("model.dropout=0.1")  # recomputed blocks must draw the same dropout masks
         states = []
-        for in_backward in ("false", "true"):
+        for in_backward, recompute in (("false", "none"), ("true", RECOMPUTE[layout])):
             run = tmp_path / f"{optimizer}-{in_backward}"
-            train(run, cli_env, *common, f"optimizer.in_backward={in_backward}")
+            train(
+                run,
+                cli_env,
+                *common,
+                f"optimizer.in_backward={in_backward}",
+                f"model.activation_checkpointing={recompute}",
+            )
             state = saved_state(run / "checkpoints" / "step_8", tmp_path)
             states.append({"model": state["model"], "optim_state": state["optim"]["state"]})
         assert_bitwise_equal(*states)
