@@ -78,7 +78,11 @@ class Trainer:
         )
         self.state = TrainState()
         if resume_from is not None:
-            self.restore(resume_from)
+            try:
+                self.restore(resume_from)
+            except BaseException:  # not yet inside `with`: close the sinks here
+                self.sink.close()
+                raise
 
     def __enter__(self) -> Trainer:
         return self
