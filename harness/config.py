@@ -163,6 +163,26 @@ class MLPConf:
     activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.none
 
 
+@dataclass
+class LlamaConf:
+    """Llama 3 (harness/models/llama.py); the defaults are a debug shape that trains in seconds on CPU
+    (presets with published shapes: conf/model/llama3_1b.yaml, llama3_8b.yaml)."""
+
+    _target_: str = "harness.models.Llama"
+    n_layer: int = 2
+    d_model: int = 128
+    n_heads: int = 4
+    n_kv_heads: Optional[int] = 2  # key/value heads of grouped-query attention; null = n_heads
+    multiple_of: int = 256  # the SwiGLU width is rounded up to a multiple of this
+    ffn_dim_multiplier: Optional[float] = None  # scales the SwiGLU width (2/3 of 4 * d_model) before rounding
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    tie_embeddings: bool = False  # the output projection is the embedding table
+    vocab_size: int = 256
+    dropout: float = 0.0  # attention and residual dropout (drawn from each rank's seeded torch RNG)
+    activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.none
+
+
 # --- data -----------------------------------------------------------------------
 
 
@@ -385,7 +405,7 @@ class Config:
 
 
 SCHEMAS = {
-    "model": {"gpt": GPTConf, "mlp": MLPConf},
+    "model": {"gpt": GPTConf, "mlp": MLPConf, "llama": LlamaConf},
     "data": {"synthetic": SyntheticDataConf, "text": TextDataConf},
     "optimizer": {"sgd": SGDConf, "adam": AdamConf, "adamw": AdamWConf},
     "lr_scheduler": {

@@ -36,7 +36,7 @@ from harness.averaging import (
 )
 from harness.config import AdamWConf
 from harness.lr_schedules import build_lr_schedule
-from harness.models import GPT, TokenMLP
+from harness.models import GPT, Llama, TokenMLP
 from harness.optim import build_local_optimizer, clip_grad_norm_
 
 
@@ -449,3 +449,18 @@ def test_fsdp2_parameters_and_their_local_shards_group_by_the_full_tensors_dimen
     by_tensor = {id(t): n for n, t in zip(outer.names, outer.tensors)}
     outer_decays = {by_tensor[id(t)]: g["weight_decay"] for g in outer.optimizer.param_groups for t in g["params"]}
     assert {n for n, d in outer_decays.items() if d == 0.01} == GPT_MATRICES
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_llama_flops_per_token_are_torchtitans_count(tie):
+    """torchtitan's 6 * (parameters - embedding table) + 12 * layers * heads * head_dim * seq_len,
+    by hand for a GQA shape; a tied table is the output projection too, so it counts then."""
+    n_layer, d, heads, kv_heads, vocab, seq_len = 3, 64, 8, 2, 100, 32
+    with torch.device("meta"):
+        model = Llama(vocab, d, n_layer, heads, kv_heads, multiple_of=32, ffn_dim_multiplier=1.3, tie_embeddings=tie)
+    hidden = 224  # int(1.3 * int(2 * 4 * 64 / 3)) = 221, rounded up to a multiple of 32
+    head_dim = d // heads
+    block = d * d + 2 * d * kv_heads * head_dim + d * d + 3 * d * hidden + 2 * d  # wq, wk + wv, wo, SwiGLU, norms
+    output = vocab * d  # the output projection (the table itself is a lookup)
+    expected = 6 * (n_layer * block + d + output) + 12 * n_layer * heads * head_dim * seq_len
+    assert model.flops_per_token(seq_len) == expected

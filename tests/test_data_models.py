@@ -1,17 +1,29 @@
-"""Data slicing/determinism and layout-independent model init (in-process, fast)."""
+"""Data slicing/determinism, layout-independent model init, and the Llama
+checked against Hugging Face's (in-process, fast)."""
 
 from __future__ import annotations
 
 import os
 
 import numpy as np
+import pytest
 import torch
+import torch.distributed as dist
+from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from harness.config import register_configs
 from harness.data import TextTokens, TokenStream, build_data
-from harness.models import build_model, materialize
+from harness.models import Llama, build_model, materialize
+
+from support import REPO
 
 CPU = torch.device("cpu")
+register_configs()
 
 
 def run_config(data: dict, batch_size: int, seed: int, grad_accum: int = 1):
@@ -129,3 +141,128 @@ def test_init_is_seeded_per_parameter_not_by_order():
     c = build_model(cfg, 8)
     materialize(c, CPU, seed=8)
     assert not torch.equal(a.head.weight, c.head.weight)
+
+
+LLAMA = dict(_target_="harness.models.Llama", n_layer=2, d_model=32, n_heads=4, n_kv_heads=2, vocab_size=64)
+
+
+def test_llama_init_is_the_same_full_value_whatever_the_layout():
+    """The last rank of a 4-way FSDP2 shard holds its slice of what one process
+    materialises (a fake process group: distributing a full value needs no
+    collective), tied or not, and a tied table stays tied."""
+    dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=4)
+    try:
+        # a mesh name of its own: FSDP2 would otherwise reuse an equal mesh of an earlier
+        # fake world in this process, with that world's rank
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("llama_layout",))
+        for tie in (False, True):
+            cfg = OmegaConf.create({**LLAMA, "tie_embeddings": tie})
+            whole, sharded = build_model(cfg, 8), build_model(cfg, 8)
+            materialize(whole, CPU, seed=7)
+            for block in sharded.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(sharded, mesh=mesh)
+            materialize(sharded, CPU, seed=7)
+            for (name, full), (_, shard) in zip(whole.named_parameters(), sharded.named_parameters()):
+                assert isinstance(shard, DTensor), name
+                assert torch.equal(shard.to_local(), torch.chunk(full, 4)[3]), name
+            assert (sharded.output.weight is sharded.tok_embeddings.weight) == tie
+    finally:
+        dist.destroy_process_group()
+    block = whole.blocks[1]
+    assert torch.all(block.attention_norm.weight == 1) and torch.all(whole.norm.weight == 1)
+    assert block.feed_forward.w2.weight.std() < block.feed_forward.w1.weight.std()  # depth-scaled projections out
+    assert not torch.equal(whole.blocks[0].attention.wq.weight, block.attention.wq.weight)
+
+
+def hf_name(name: str) -> str:
+    """Our Llama's parameter name as transformers' LlamaForCausalLM spells it."""
+    for ours, theirs in [
+        ("tok_embeddings", "model.embed_tokens"),
+        ("blocks.", "model.layers."),
+        ("attention.wq", "self_attn.q_proj"),
+        ("attention.wk", "self_attn.k_proj"),
+        ("attention.wv", "self_attn.v_proj"),
+        ("attention.wo", "self_attn.o_proj"),
+        ("feed_forward.w1", "mlp.gate_proj"),
+        ("feed_forward.w2", "mlp.down_proj"),
+        ("feed_forward.w3", "mlp.up_proj"),
+        ("attention_norm", "input_layernorm"),
+        ("ffn_norm", "post_attention_layernorm"),
+        ("output", "lm_head"),
+    ]:
+        name = name.replace(ours, theirs)
+    return "model.norm.weight" if name == "norm.weight" else name
+
+
+def hf_config(model: Llama, d_model: int, n_layer: int, n_heads: int, n_kv_heads: int, vocab_size: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=d_model,
+        intermediate_size=model.blocks[0].feed_forward.w1.out_features,
+        num_hidden_layers=n_layer,
+        num_attention_heads=n_heads,
+        num_key_value_heads=n_kv_heads,
+        rms_norm_eps=model.norm.eps,
+        rope_parameters={"rope_type": "default", "rope_theta": model.rope_theta},
+        tie_word_embeddings=model.tie_embeddings,
+    )
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(d_model=64, n_layer=2, n_heads=8, n_kv_heads=2, tie_embeddings=False, rope_theta=500000.0),
+        dict(d_model=64, n_layer=2, n_heads=4, n_kv_heads=4, tie_embeddings=True, rope_theta=10000.0),
+    ],
+    ids=["gqa-untied", "mha-tied"],
+)
+def test_llama_gives_the_logits_of_transformers_llama_with_the_same_weights(shape):
+    """The independent check that ours is a Llama: every weight (norms too) drawn
+    at random, copied by name into LlamaForCausalLM, and the logits agree to
+    float32 rounding. Rotary embeddings follow HF's rotate_half, so q and k
+    need no permutation."""
+    from transformers import LlamaForCausalLM
+
+    ours = Llama(vocab_size=96, multiple_of=16, ffn_dim_multiplier=1.3, **shape)
+    ours.to_empty(device=CPU)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.2 + (1 if p.dim() == 1 else 0))
+    sizes = {k: shape[k] for k in ("d_model", "n_layer", "n_heads", "n_kv_heads")}
+    config = hf_config(ours, **sizes, vocab_size=96)
+    config._attn_implementation = "eager"  # HF's own attention arithmetic, not the SDPA ours calls
+    theirs = LlamaForCausalLM(config).eval()
+    state = {hf_name(name): value for name, value in ours.state_dict().items()}
+    assert state.keys() == theirs.state_dict().keys()
+    theirs.load_state_dict(state)
+    if shape["tie_embeddings"]:
+        assert theirs.lm_head.weight.data_ptr() == theirs.model.embed_tokens.weight.data_ptr()
+    logits = []
+    ours.output.register_forward_hook(lambda module, args, out: logits.append(out))
+    tokens = torch.randint(96, (3, 40), generator=generator)
+    ours.eval()(tokens, tokens)
+    with torch.no_grad():
+        expected = theirs(input_ids=tokens).logits
+    torch.testing.assert_close(logits[0].detach(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "preset,published", [("llama3_1b", 1_235_814_400), ("llama3_8b", 8_030_261_248)], ids=["1b", "8b"]
+)
+def test_llama_presets_have_the_published_parameter_counts(preset, published):
+    """Built on the meta device, as validate builds them; transformers'
+    LlamaForCausalLM of the same shape counts the same."""
+    from transformers import LlamaForCausalLM
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        cfg = compose("config", overrides=[f"model={preset}"]).model
+    ours = build_model(cfg, seq_len=8192)
+    sizes = {k: cfg[k] for k in ("d_model", "n_layer", "n_heads", "n_kv_heads", "vocab_size")}
+    with torch.device("meta"):
+        theirs = LlamaForCausalLM(hf_config(ours, **sizes))
+    count = sum(p.numel() for p in ours.parameters())
+    assert count == sum(p.numel() for p in theirs.parameters()) == published

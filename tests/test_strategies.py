@@ -14,51 +14,55 @@ from support import FAST, base_env, check_ok, losses, run_cli
 
 pytestmark = pytest.mark.slow
 GLOBAL_BATCH = 8
+ANY_MODEL = [o for o in FAST if not o.startswith("model=")]
+MLP = ("model=mlp",)
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """One process (launcher.nproc=1), global batch, synchronous."""
-    tmp = tmp_path_factory.mktemp("reference")
-    env = base_env(tmp)
-    proc = run_cli(
-        [
-            *FAST,
-            "launcher.nproc=1",
-            "averager=none",
-            "sharding=full_shard",
-            f"train.batch_size={GLOBAL_BATCH}",
-            f"hydra.run.dir={tmp / 'run'}",
-        ],
-        env,
-        tmp,
-    )
-    check_ok(proc)
-    return losses(tmp / "run")
+    """One process (launcher.nproc=1), global batch, synchronous: the losses of each
+    model's run, run once per model."""
+    runs = {}
+
+    def losses_of(model: tuple[str, ...]) -> list[float]:
+        if model not in runs:
+            tmp = tmp_path_factory.mktemp("reference")
+            args = [*ANY_MODEL, *model, "launcher.nproc=1", "averager=none", "sharding=full_shard"]
+            args += [f"train.batch_size={GLOBAL_BATCH}", f"hydra.run.dir={tmp / 'run'}"]
+            check_ok(run_cli(args, base_env(tmp), tmp))
+            runs[model] = losses(tmp / "run")
+        return runs[model]
+
+    return losses_of
 
 
-# (strategy, ranks, replicas, micro-batches per step): with gradient accumulation the K micro-batches
-# of each rank hold what one batch of K·B would, and only the last reduces gradients (FSDP2's
-# set_requires_gradient_sync, DDP's no_sync)
+# (strategy, ranks, replicas, micro-batches per step, model): with gradient accumulation the K
+# micro-batches of each rank hold what one batch of K·B would, and only the last reduces gradients
+# (FSDP2's set_requires_gradient_sync, DDP's no_sync); the Llama, sharded, with its table tied
 LAYOUTS = [
-    ("full_shard", 2, None, 1),
-    ("shard_grad_op", 2, None, 1),
-    ("hybrid_shard", 2, 2, 1),
-    ("hybrid_shard_zero2", 2, 2, 1),
-    ("no_shard", 2, None, 1),
-    ("ddp", 2, None, 1),
-    ("ddp", 2, None, 4),
-    ("hybrid_shard", 4, 2, 2),
+    ("full_shard", 2, None, 1, MLP),
+    ("shard_grad_op", 2, None, 1, MLP),
+    ("hybrid_shard", 2, 2, 1, MLP),
+    ("hybrid_shard_zero2", 2, 2, 1, MLP),
+    ("no_shard", 2, None, 1, MLP),
+    ("ddp", 2, None, 1, MLP),
+    ("ddp", 2, None, 4, MLP),
+    ("hybrid_shard", 4, 2, 2, MLP),
+    ("full_shard", 2, None, 1, ("model=llama", "model.tie_embeddings=true")),
 ]
 
 
 @pytest.mark.parametrize(
-    "strategy,nproc,replicate,accum", LAYOUTS, ids=[f"{s}@{n}" + (f"x{k}" if k > 1 else "") for s, n, _, k in LAYOUTS]
+    "strategy,nproc,replicate,accum,model",
+    LAYOUTS,
+    ids=[f"{s}@{n}" + (f"x{k}" if k > 1 else "") + ("" if m == MLP else "-llama") for s, n, _, k, m in LAYOUTS],
 )
-def test_strategy_trains_and_matches_single_process(strategy, nproc, replicate, accum, reference, tmp_path):
+def test_strategy_trains_and_matches_single_process(strategy, nproc, replicate, accum, model, reference, tmp_path):
+    reference = reference(model)
     run_dir = tmp_path / "run"
     args = [
-        *FAST,
+        *ANY_MODEL,
+        *model,
         f"launcher.nproc={nproc}",
         "averager=none",
         f"sharding={strategy}",

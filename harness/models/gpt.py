@@ -1,29 +1,15 @@
-"""Models: a small GPT-style decoder LM and a tiny token MLP for fast tests.
-
-A model is an `nn.Module` class named by `model._target_` and built by
-`build_model` from its config keys plus `seq_len`, on the meta device (no
-memory, no init); `materialize` gives it values after sharding, so every rank
-- and a single-process reference - holds the same weights whatever the
-layout. A model exposes its repeated layers as `blocks` (the unit FSDP wraps
-and `train.compile` compiles), returns the LM loss from `forward(tokens,
-targets)` and counts its `flops_per_token`. Its constructor refuses bad
-arguments with a ValueError naming the key and the fix; `validate` builds it
-on the meta device to ask.
-"""
+"""A small GPT-style decoder LM and a tiny token MLP for fast tests (the
+protocol they follow: harness/models/__init__.py)."""
 
 from __future__ import annotations
 
 import math
-import zlib
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
-from torch.distributed.tensor import DTensor, distribute_tensor
 
-from harness.rng import seeded_generator
+from harness.models.arguments import nearest_divisor, require_positive, require_probability
 
 
 class CausalSelfAttention(nn.Module):
@@ -95,6 +81,17 @@ class TokenLM(nn.Module):
         attention_layers = sum(isinstance(block, GPTBlock) for block in self.blocks)
         return 6 * weights + 12 * attention_layers * self.ln_f.normalized_shape[0] * seq_len
 
+    def initial_value(self, fqn: str, module: nn.Module, shape: tuple, generator: torch.Generator) -> torch.Tensor:
+        """GPT-2 style: N(0, 0.02), residual output projections scaled by
+        1/sqrt(2 * n_layer), norms 1, biases 0."""
+        name = fqn.rpartition(".")[2]
+        if isinstance(module, nn.LayerNorm):
+            return torch.ones(shape) if name == "weight" else torch.zeros(shape)
+        if name == "bias":
+            return torch.zeros(shape)
+        std = 0.02 / math.sqrt(2 * len(self.blocks)) if fqn.endswith("out_proj.weight") else 0.02
+        return torch.randn(shape, generator=generator) * std
+
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = self.tok_emb(tokens)
         if self.pos_emb is not None:
@@ -113,10 +110,9 @@ class GPT(TokenLM):
         require_positive(n_layer=n_layer, n_head=n_head, d_model=d_model, vocab_size=vocab_size)
         require_probability(dropout)
         if d_model % n_head:
-            near = min((d for d in range(1, d_model + 1) if d_model % d == 0), key=lambda d: (abs(d - n_head), -d))
             raise ValueError(
                 f"model.d_model={d_model} is not divisible by model.n_head={n_head}. "
-                f"Fix: pick n_head dividing d_model, e.g. model.n_head={near}."
+                f"Fix: pick n_head dividing d_model, e.g. model.n_head={nearest_divisor(d_model, n_head)}."
             )
         super().__init__(vocab_size, d_model, [GPTBlock(d_model, n_head, dropout) for _ in range(n_layer)], seq_len)
 
@@ -131,59 +127,3 @@ class TokenMLP(TokenLM):
         require_probability(dropout)
         blocks = [MLPBlock(d_model, hidden, dropout) for _ in range(n_layer)]
         super().__init__(vocab_size, d_model, blocks, seq_len=None)
-
-
-def require_positive(**values: int) -> None:
-    bad = [f"model.{k}={v}" for k, v in values.items() if v is None or v < 1]
-    if bad:
-        raise ValueError(
-            f"{', '.join(bad)} out of range: must be >= 1. "
-            f"Fix: set {', '.join(b.split('=')[0] for b in bad)} to a positive integer."
-        )
-
-
-def require_probability(dropout: float) -> None:
-    if not 0.0 <= dropout < 1.0:
-        raise ValueError(f"model.dropout={dropout} must be in [0, 1). Fix: model.dropout=0.1, or 0.0 for none.")
-
-
-# model-group keys the harness applies to any model (harness.sharding), not arguments of the class
-HARNESS_KEYS = ("activation_checkpointing",)
-
-
-def build_model(cfg: DictConfig, seq_len: int) -> TokenLM:
-    """The model `cfg._target_` names, on the meta device."""
-    spec = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k not in HARNESS_KEYS}
-    with torch.device("meta"):
-        return instantiate(spec, _partial_=True)(seq_len=seq_len)
-
-
-@torch.no_grad()
-def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
-    """Allocate `model`'s (possibly sharded) parameters on `device` and initialise them.
-
-    Each parameter's full value comes from its own generator, seeded by `seed`
-    and its name, so the result does not depend on the layout: a rank copies
-    its local shard of that value (GPT-2 style init: N(0, 0.02), residual
-    output projections scaled by 1/sqrt(2 * n_layer), norms 1, biases 0).
-    """
-    model.to_empty(device=device)
-    n_layer = len(getattr(model, "blocks", [])) or 1
-    for module_name, module in model.named_modules():
-        for name, param in module.named_parameters(recurse=False):
-            fqn = f"{module_name}.{name}" if module_name else name
-            full = _initial_value(module, name, fqn, tuple(param.shape), seed, n_layer).to(device)
-            if isinstance(param, DTensor):
-                local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-                param.to_local().copy_(local.to_local())
-            else:
-                param.copy_(full)
-
-
-def _initial_value(module: nn.Module, name: str, fqn: str, shape: tuple, seed: int, n_layer: int) -> torch.Tensor:
-    if isinstance(module, nn.LayerNorm):
-        return torch.ones(shape) if name == "weight" else torch.zeros(shape)
-    if name == "bias":
-        return torch.zeros(shape)
-    std = 0.02 / math.sqrt(2 * n_layer) if fqn.endswith("out_proj.weight") else 0.02
-    return torch.randn(shape, generator=seeded_generator(seed, zlib.crc32(fqn.encode()))) * std

@@ -1,0 +1,72 @@
+"""Models: a model is an `nn.Module` class named by `model._target_`.
+
+`build_model` builds it from its config keys plus `seq_len`, on the meta
+device (no memory, no init); `materialize` gives it values after sharding, so
+every rank - and a single-process reference - holds the same weights whatever
+the layout. A model
+- exposes its repeated layers as `blocks` (the unit FSDP wraps and
+  `train.compile` compiles);
+- returns the LM loss from `forward(tokens, targets)`;
+- counts its training `flops_per_token(seq_len)` (for `train/mfu`);
+- gives each parameter's full initial value from `initial_value(fqn, module,
+  shape, generator)`, drawing only from `generator`, which `materialize` seeds
+  by `train.seed` and the parameter's name;
+- refuses bad arguments in its constructor with a ValueError naming the key,
+  the value and the fix (`validate` builds it on the meta device to ask).
+
+Members: `GPT` and `TokenMLP` (gpt.py), `Llama` (llama.py).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+import torch.nn as nn
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from harness.models.gpt import GPT, TokenLM, TokenMLP
+from harness.models.llama import Llama
+from harness.rng import seeded_generator
+
+__all__ = ["GPT", "HARNESS_KEYS", "Llama", "TokenLM", "TokenMLP", "build_model", "materialize"]
+
+# model-group keys the harness applies to any model (harness.sharding), not arguments of the class
+HARNESS_KEYS = ("activation_checkpointing",)
+
+
+def build_model(cfg: DictConfig, seq_len: int) -> nn.Module:
+    """The model `cfg._target_` names, on the meta device."""
+    spec = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k not in HARNESS_KEYS}
+    with torch.device("meta"):
+        return instantiate(spec, _partial_=True)(seq_len=seq_len)
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
+    """Allocate `model`'s (possibly sharded) parameters on `device` and initialise them.
+
+    Each parameter's full value comes from the model's `initial_value` with its
+    own generator, seeded by `seed` and its name, so the result does not depend
+    on the layout: a rank copies its local shard of that value. A tied
+    parameter is initialised once, under its first name, and stays tied.
+    """
+    names = {}  # id -> first name, and every later name of the same parameter
+    ties = [(fqn, names.setdefault(id(p), fqn)) for fqn, p in model.named_parameters(remove_duplicate=False)]
+    model.to_empty(device=device)
+    for fqn, first in ties:
+        # to_empty gives each name a new tensor, unless FSDP2 swaps them in place
+        if fqn != first and model.get_parameter(fqn) is not model.get_parameter(first):
+            owner, _, name = fqn.rpartition(".")
+            setattr(model.get_submodule(owner), name, model.get_parameter(first))
+    for fqn, param in model.named_parameters():
+        module = model.get_submodule(fqn.rpartition(".")[0])
+        generator = seeded_generator(seed, zlib.crc32(fqn.encode()))
+        full = model.initial_value(fqn, module, tuple(param.shape), generator).to(device)
+        if isinstance(param, DTensor):
+            local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+            param.to_local().copy_(local.to_local())
+        else:
+            param.copy_(full)
