@@ -167,7 +167,7 @@ def _check_model_and_data(cfg: DictConfig) -> list[str]:
     (the model on the meta device; sources are cheap until `open()`)."""
     errors = []
     model_cls, model_errors = target_class(
-        cfg.model, "model", torch.nn.Module, "torch.nn.Module", ("seq_len",), "gpt|mlp", MODEL_HARNESS_KEYS
+        cfg.model, "model", torch.nn.Module, "torch.nn.Module", ("seq_len",), "gpt|mlp|llama", MODEL_HARNESS_KEYS
     )
     data_cls, data_errors = target_class(
         cfg.data, "data", object, "data source", ("vocab_size", "seed"), "synthetic|text"

@@ -179,6 +179,14 @@ def test_plan_fragments_of_a_gpt_is_balanced_to_within_its_largest_unit():
         assert max(sizes) - min(sizes) <= largest_unit, sizes
 
 
+def test_plan_fragments_places_a_tied_embedding_once():
+    with torch.device("meta"):
+        model = Llama(vocab_size=64, d_model=16, n_layer=2, n_heads=2, tie_embeddings=True, seq_len=8)
+    for count in (1, 2):
+        indices = sorted(i for fragment in plan_fragments(model, count) for i in fragment)
+        assert indices == list(range(len(list(model.parameters())))), indices
+
+
 def test_outer_step_moves_outer_by_the_mean_pseudo_gradient(world_of_1):
     local = [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([[4.0, 5.0]])]
     outer = [torch.tensor([3.0, 2.0, 1.0]), torch.tensor([[0.0, 5.0]])]

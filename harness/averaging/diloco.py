@@ -269,6 +269,9 @@ def plan_fragments(model: torch.nn.Module, count: int) -> list[list[int]]:
         if name != "blocks" and any(True for _ in child.parameters())
     ]
     units += [[p] for p in model.parameters(recurse=False)]
+    placed: set[int] = set()  # a tied parameter (embedding = head) belongs to its first unit only
+    units = [[p for p in unit if id(p) not in placed and not placed.add(id(p))] for unit in units]
+    units = [unit for unit in units if unit]
     fragments: list[list[int]] = [[] for _ in range(count)]
     sizes = [0] * count
     for unit in sorted(units, key=lambda u: -sum(p.numel() for p in u)):
