@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, BooleanNode, DictConfig, OmegaConf, open_dict
@@ -142,29 +142,37 @@ class TrainConf:
 
 
 @dataclass
-class GPTConf:
+class ModelHarnessKeys:
+    """Keys every model option has, which the harness applies (harness.models.HARNESS_KEYS)."""
+
+    activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.none
+    # a local Hugging Face checkpoint directory (safetensors) to start from, read through DCP;
+    # models with Hugging Face's layout only (llama, hf): docs/models.md
+    init_from: Optional[str] = None
+
+
+@dataclass
+class GPTConf(ModelHarnessKeys):
     _target_: str = "harness.models.GPT"
     n_layer: int = 4
     n_head: int = 4
     d_model: int = 128
     vocab_size: int = 256
     dropout: float = 0.0  # attention and residual dropout (drawn from each rank's seeded torch RNG)
-    activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.none
 
 
 @dataclass
-class MLPConf:
+class MLPConf(ModelHarnessKeys):
     _target_: str = "harness.models.TokenMLP"
     n_layer: int = 2
     d_model: int = 64
     hidden: int = 256
     vocab_size: int = 256
     dropout: float = 0.0  # residual dropout (drawn from each rank's seeded torch RNG)
-    activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.none
 
 
 @dataclass
-class LlamaConf:
+class LlamaConf(ModelHarnessKeys):
     """Llama 3 (harness/models/llama.py); the defaults are a debug shape that trains in seconds on CPU
     (presets with published shapes: conf/model/llama3_1b.yaml, llama3_8b.yaml)."""
 
@@ -180,7 +188,27 @@ class LlamaConf:
     tie_embeddings: bool = False  # the output projection is the embedding table
     vocab_size: int = 256
     dropout: float = 0.0  # attention and residual dropout (drawn from each rank's seeded torch RNG)
-    activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.none
+
+
+@dataclass
+class HFConf(ModelHarnessKeys):
+    """Any transformers causal LM built from its config (harness/models/hf.py; needs the hf extra).
+    The default is a Llama of the debug shape of model=llama, built by transformers."""
+
+    _target_: str = "harness.models.HFCausalLM"
+    config: Optional[str] = None  # a local directory with a config.json; null = model_type's defaults
+    model_type: Optional[str] = "llama"  # a transformers model type (AutoConfig.for_model), when config is null
+    # single keys of the transformers config replaced, e.g. model.config_overrides.num_hidden_layers=4
+    config_overrides: Dict[str, Any] = field(
+        default_factory=lambda: {
+            "hidden_size": 128,
+            "intermediate_size": 512,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+        }
+    )
+    vocab_size: int = 256
 
 
 # --- data -----------------------------------------------------------------------
@@ -405,7 +433,7 @@ class Config:
 
 
 SCHEMAS = {
-    "model": {"gpt": GPTConf, "mlp": MLPConf, "llama": LlamaConf},
+    "model": {"gpt": GPTConf, "mlp": MLPConf, "llama": LlamaConf, "hf": HFConf},
     "data": {"synthetic": SyntheticDataConf, "text": TextDataConf},
     "optimizer": {"sgd": SGDConf, "adam": AdamConf, "adamw": AdamWConf},
     "lr_scheduler": {

@@ -84,7 +84,15 @@ def build_job(cfg: DictConfig, env: DistEnv, plan: RunPlan) -> Job:
     checkpoint_activations(model, cfg.model.activation_checkpointing)
     if cfg.train.compile:
         compile_blocks(model)
-    model = apply_sharding(model, mesh, cfg.sharding, env.device, cfg.train.seed, replicas_train_alone=plan.averaging)
+    model = apply_sharding(
+        model,
+        mesh,
+        cfg.sharding,
+        env.device,
+        cfg.train.seed,
+        replicas_train_alone=plan.averaging,
+        init_from=cfg.model.init_from,
+    )
     optimizer = build_local_optimizer(cfg.optimizer, model.parameters(), env.device)
     lr_schedule = build_lr_schedule(cfg.lr_scheduler, optimizer, cfg.train.steps)
     optimizer, cross_replica = setup_cross_replica(model, optimizer, mesh, cfg.averager, plan.averaging)

@@ -74,9 +74,10 @@ def apply_sharding(
     device: torch.device,
     seed: int,
     replicas_train_alone: bool = False,
+    init_from: str | None = None,
 ) -> nn.Module:
     if cfg.strategy == "ddp":
-        materialize(model, device, seed)
+        materialize(model, device, seed, init_from)
         compute_dtype = resolve_dtype(cfg.param_dtype, device, low_precision_on_cuda=True)
         if compute_dtype != torch.float32:
             # DDP keeps fp32 parameters and gradients; the forward computes in
@@ -100,5 +101,5 @@ def apply_sharding(
     for block in model.blocks:
         fully_shard(block, mesh=fsdp_mesh, reshard_after_forward=reshard, mp_policy=policy)
     fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=reshard, mp_policy=policy)
-    materialize(model, device, seed)
+    materialize(model, device, seed, init_from)
     return model

@@ -27,6 +27,7 @@ from harness.dist import resolve_device, under_torchrun
 from harness.mesh import mesh_shape
 from harness.models import HARNESS_KEYS as MODEL_HARNESS_KEYS
 from harness.models import build_model
+from harness.models.hf_weights import init_from_errors
 from harness.optim import HARNESS_KEYS
 from harness.plan import averager_configured
 
@@ -167,7 +168,7 @@ def _check_model_and_data(cfg: DictConfig) -> list[str]:
     (the model on the meta device; sources are cheap until `open()`)."""
     errors = []
     model_cls, model_errors = target_class(
-        cfg.model, "model", torch.nn.Module, "torch.nn.Module", ("seq_len",), "gpt|mlp|llama", MODEL_HARNESS_KEYS
+        cfg.model, "model", torch.nn.Module, "torch.nn.Module", ("seq_len",), "gpt|mlp|llama|hf", MODEL_HARNESS_KEYS
     )
     data_cls, data_errors = target_class(
         cfg.data, "data", object, "data source", ("vocab_size", "seed"), "synthetic|text"
@@ -175,9 +176,12 @@ def _check_model_and_data(cfg: DictConfig) -> list[str]:
     errors += model_errors + data_errors
     if model_cls is not None:
         try:
-            build_model(cfg.model, cfg.train.seq_len)
+            model = build_model(cfg.model, cfg.train.seq_len)
         except ValueError as e:
             errors.append(str(e))
+        else:
+            if cfg.model.get("init_from") is not None:
+                errors += init_from_errors(model, cfg.model.init_from)
     if data_cls is not None:
         try:
             source = data_source(cfg)

@@ -40,7 +40,7 @@ META = "meta.json"
 RNG_FILE = "rng.pt"
 # model configs in meta.json before components were chosen by `_target_`
 # model keys that change no parameter: a run may resume with another value
-SHAPE_FREE_MODEL_KEYS = {"dropout", "activation_checkpointing"}
+SHAPE_FREE_MODEL_KEYS = {"dropout", "activation_checkpointing", "init_from"}  # weights come from the checkpoint
 LEGACY_MODEL_NAMES = {"gpt": "harness.models.GPT", "mlp": "harness.models.TokenMLP"}
 
 

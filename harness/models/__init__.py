@@ -11,10 +11,17 @@ the layout. A model
 - gives each parameter's full initial value from `initial_value(fqn, module,
   shape, generator)`, drawing only from `generator`, which `materialize` seeds
   by `train.seed` and the parameter's name;
+- may compute buffers in `initialize_buffers()` (values that are computed, not
+  drawn, e.g. rotary frequencies), which `materialize` calls last;
 - refuses bad arguments in its constructor with a ValueError naming the key,
   the value and the fix (`validate` builds it on the meta device to ask).
+A model with Hugging Face's layout also gives `hf_names()` (its parameter names
+to transformers' names) and `hf_config()` (the config.json that describes it):
+harness/models/hf_weights.py reads (`model.init_from`) and writes
+(`harness.export`) safetensors through them.
 
-Members: `GPT` and `TokenMLP` (gpt.py), `Llama` (llama.py).
+Members: `GPT` and `TokenMLP` (gpt.py), `Llama` (llama.py), `HFCausalLM`
+(hf.py: any transformers causal LM).
 """
 
 from __future__ import annotations
@@ -28,13 +35,15 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from harness.models.gpt import GPT, TokenLM, TokenMLP
+from harness.models.hf import HFCausalLM
+from harness.models.hf_weights import load_hf_weights
 from harness.models.llama import Llama
 from harness.rng import seeded_generator
 
-__all__ = ["GPT", "HARNESS_KEYS", "Llama", "TokenLM", "TokenMLP", "build_model", "materialize"]
+__all__ = ["GPT", "HARNESS_KEYS", "HFCausalLM", "Llama", "TokenLM", "TokenMLP", "build_model", "materialize"]
 
 # model-group keys the harness applies to any model (harness.sharding), not arguments of the class
-HARNESS_KEYS = ("activation_checkpointing",)
+HARNESS_KEYS = ("activation_checkpointing", "init_from")
 
 
 def build_model(cfg: DictConfig, seq_len: int) -> nn.Module:
@@ -45,8 +54,9 @@ def build_model(cfg: DictConfig, seq_len: int) -> nn.Module:
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
-    """Allocate `model`'s (possibly sharded) parameters on `device` and initialise them.
+def materialize(model: nn.Module, device: torch.device, seed: int, init_from: str | None = None) -> None:
+    """Allocate `model`'s (possibly sharded) parameters on `device` and initialise them,
+    then, given `init_from` (`model.init_from`), read a Hugging Face checkpoint over them.
 
     Each parameter's full value comes from the model's `initial_value` with its
     own generator, seeded by `seed` and its name, so the result does not depend
@@ -70,3 +80,7 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
             param.to_local().copy_(local.to_local())
         else:
             param.copy_(full)
+    if hasattr(model, "initialize_buffers"):
+        model.initialize_buffers()
+    if init_from is not None:
+        load_hf_weights(model, init_from)

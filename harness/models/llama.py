@@ -154,6 +154,33 @@ class Llama(nn.Module):
             weights -= self.tok_embeddings.weight.numel()
         return 6 * weights + 12 * len(self.blocks) * self.norm.normalized_shape[0] * seq_len
 
+    def hf_names(self) -> dict[str, str]:
+        """Each parameter's name in transformers' LlamaForCausalLM (a tied table once, as the embedding)."""
+        return {fqn: hf_name(fqn) for fqn, _ in self.named_parameters()}
+
+    def hf_config(self) -> dict:
+        """The config.json of the same model in transformers (LlamaConfig's keys)."""
+        attention = self.blocks[0].attention
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": self.tok_embeddings.num_embeddings,
+            "hidden_size": self.tok_embeddings.embedding_dim,
+            "intermediate_size": self.blocks[0].feed_forward.w1.out_features,
+            "num_hidden_layers": len(self.blocks),
+            "num_attention_heads": attention.n_heads,
+            "num_key_value_heads": attention.n_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.norm.eps,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "tie_word_embeddings": self.tie_embeddings,
+            "attention_dropout": attention.dropout,
+            "attention_bias": False,
+            "mlp_bias": False,
+            "dtype": "float32",
+        }
+
     def initial_value(self, fqn: str, module: nn.Module, shape: tuple, generator: torch.Generator) -> torch.Tensor:
         """torchtitan's Llama init: norms 1; the embedding table N(0, 1); the
         output projection truncated N(0, d_model^-1/2) at 3 std, and so is a
@@ -180,6 +207,29 @@ class Llama(nn.Module):
             x = block(x, cos, sin)
         logits = self.output(self.norm(x))
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+HF_NAMES = [  # our name's parts as transformers' LlamaForCausalLM spells them
+    ("tok_embeddings", "model.embed_tokens"),
+    ("blocks.", "model.layers."),
+    ("attention.wq", "self_attn.q_proj"),
+    ("attention.wk", "self_attn.k_proj"),
+    ("attention.wv", "self_attn.v_proj"),
+    ("attention.wo", "self_attn.o_proj"),
+    ("feed_forward.w1", "mlp.gate_proj"),
+    ("feed_forward.w2", "mlp.down_proj"),
+    ("feed_forward.w3", "mlp.up_proj"),
+    ("attention_norm", "input_layernorm"),
+    ("ffn_norm", "post_attention_layernorm"),
+    ("output", "lm_head"),
+]
+
+
+def hf_name(fqn: str) -> str:
+    """A Llama parameter's name in transformers' LlamaForCausalLM."""
+    for ours, theirs in HF_NAMES:
+        fqn = fqn.replace(ours, theirs)
+    return "model.norm.weight" if fqn == "norm.weight" else fqn
 
 
 def check_heads(d_model: int, n_heads: int, n_kv_heads: int) -> None:

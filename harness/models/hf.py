@@ -1,0 +1,166 @@
+"""Any Hugging Face `transformers` causal LM, built from its config and trained
+by the harness's loop (`model=hf`).
+
+The config comes from a local directory holding a `config.json` (`config`), or
+from `model_type` with transformers' defaults, through `AutoConfig`; either way
+`config_overrides` replace single keys (as `run_clm.py`'s `--config_overrides`
+do) and `vocab_size` is the harness's. The blocks FSDP2 wraps, checkpoints and
+compiles are the modules the class lists in `_no_split_modules` (its decoder
+layers), found in the model, not at a hard-coded path.
+
+Parameter names are transformers' own (`model.layers.0.self_attn.q_proj.weight`):
+the wrapper registers the model's children as its own, so checkpoints,
+`model.init_from` and `harness.export` need no name map.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+MISSING = (
+    "model=hf needs Hugging Face transformers, which is not installed. "
+    'Fix: pip install -e ".[hf]" (or pip install "transformers>=5,<6").'
+)
+
+
+def hf_config(config: str | None, model_type: str | None, overrides: dict, vocab_size: int):
+    """The `transformers` config `model=hf` describes; ValueError naming the key when it cannot be had."""
+    try:
+        from transformers import AutoConfig
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    except ImportError:
+        raise ValueError(MISSING) from None
+    if config is not None:
+        path = os.path.expanduser(config)
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(
+                f"model.config={config!r} holds no config.json. Fix: point model.config at a local directory "
+                "of a Hugging Face model (the one save_pretrained writes), or set it to null and name a "
+                "model.model_type."
+            )
+        hf = AutoConfig.from_pretrained(path, **overrides)
+        if hf.get_text_config().vocab_size != vocab_size:
+            raise ValueError(
+                f"model.vocab_size={vocab_size} differs from {path}/config.json's vocab_size="
+                f"{hf.get_text_config().vocab_size}. Fix: model.vocab_size={hf.get_text_config().vocab_size}, "
+                "or model.config_overrides.vocab_size to train another vocabulary from scratch."
+            )
+        return hf
+    if model_type not in CONFIG_MAPPING:
+        common = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gpt2", "olmo2")
+        known = ", ".join(k for k in common if k in CONFIG_MAPPING)
+        raise ValueError(
+            f"model.model_type={model_type!r} is not a model type transformers knows. "
+            f"Fix: model.model_type= one of transformers' CONFIG_MAPPING keys, e.g. {known}; "
+            "or model.config=<dir with config.json>."
+        )
+    return AutoConfig.for_model(model_type, **{"vocab_size": vocab_size, **overrides})
+
+
+class HFCausalLM(nn.Module):
+    """A `transformers` causal LM with the harness's model protocol (see
+    harness/models/__init__.py). `seq_len` must fit the model's positions."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        config: str | None = None,
+        model_type: str | None = "llama",
+        config_overrides: dict | None = None,
+        seq_len: int | None = None,
+    ):
+        overrides = dict(config_overrides or {})
+        if "vocab_size" in overrides and config is None:
+            raise ValueError(
+                "model.config_overrides.vocab_size is set: the vocabulary is model.vocab_size, which the data "
+                "reads too. Fix: set model.vocab_size instead."
+            )
+        hf = hf_config(config, model_type, overrides, vocab_size)
+        hf._attn_implementation = "sdpa"  # CUDA picks flash / efficient kernels, as for the harness's models
+        positions = getattr(hf.get_text_config(), "max_position_embeddings", None)
+        if seq_len is not None and positions is not None and seq_len > positions:
+            raise ValueError(
+                f"train.seq_len={seq_len} is longer than the model's max_position_embeddings={positions}. "
+                f"Fix: train.seq_len<={positions}, or model.config_overrides.max_position_embeddings={seq_len}."
+            )
+        from transformers import AutoModelForCausalLM
+
+        super().__init__()
+        causal_lm = AutoModelForCausalLM.from_config(hf)
+        # Held outside the module tree: its children are registered here as ours, so
+        # parameter names are transformers' own, and its forward runs on them.
+        object.__setattr__(self, "causal_lm", causal_lm)
+        for name, child in causal_lm.named_children():
+            self.add_module(name, child)
+        split = set(causal_lm._no_split_modules or ())
+        self.blocks = [m for m in causal_lm.modules() if type(m).__name__ in split]
+        if not self.blocks:
+            raise ValueError(
+                f"model.model_type={hf.model_type!r}: {type(causal_lm).__name__} lists no decoder layers in "
+                "_no_split_modules, so the harness cannot find the blocks FSDP2 wraps. "
+                "Fix: pick another model type, or write the model as a harness model (docs/models.md)."
+            )
+
+    @property
+    def config(self):
+        """The `transformers` config (what `harness.export` writes as config.json)."""
+        return self.causal_lm.config
+
+    def hf_names(self) -> dict[str, str]:
+        """Parameter names are transformers' own (a tied table once, under its first name)."""
+        return {fqn: fqn for fqn, _ in self.named_parameters()}
+
+    def hf_config(self) -> dict:
+        config = json.loads(self.config.to_json_string(use_diff=False))
+        return {**config, "architectures": [type(self.causal_lm).__name__]}
+
+    def train(self, mode: bool = True) -> HFCausalLM:
+        self.causal_lm.training = mode  # its own forward reads the flag; its children follow nn.Module.train
+        return super().train(mode)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """The harness's count (as for Llama): 6 per parameter outside the input
+        embedding table (the table counts when it is also the output projection)
+        plus causal attention's 12 * layers * hidden size * seq_len."""
+        text = self.config.get_text_config()
+        weights = sum(p.numel() for p in self.parameters())
+        table = self.causal_lm.get_input_embeddings().weight
+        output = self.causal_lm.get_output_embeddings()
+        if output is None or output.weight is not table:
+            weights -= table.numel()
+        return 6 * weights + 12 * text.num_hidden_layers * text.hidden_size * seq_len
+
+    def initial_value(self, fqn: str, module: nn.Module, shape: tuple, generator: torch.Generator) -> torch.Tensor:
+        """What the model's own `_init_weights` gives this parameter, drawn from
+        `generator`'s seed: a stand-in for the owning module, holding plain CPU
+        tensors of the full shapes (the module's own may be FSDP2 shards), is
+        initialised on its own with the global RNG forked and seeded, so the
+        value depends neither on the layout nor on the other parameters."""
+        owner = copy.copy(module)  # its attributes (padding_idx, eps, ...) and class, for _init_weights
+        params = module._parameters.items()
+        owner._parameters = {n: p if p is None else nn.Parameter(torch.empty(p.shape)) for n, p in params}
+        owner._buffers = {n: b if b is None else torch.empty(b.shape) for n, b in module._buffers.items()}
+        owner._modules = {}
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(generator.initial_seed())
+            self.causal_lm._init_weights(owner)
+        return owner._parameters[fqn.rpartition(".")[2]].detach()
+
+    @torch.no_grad()
+    def initialize_buffers(self) -> None:
+        """Buffers `materialize` leaves empty (rotary frequencies, ...): computed, not
+        drawn, so every rank gets the same values; `_init_weights` of each module
+        that holds buffers but no parameters of its own."""
+        for module in self.modules():
+            if any(True for _ in module.buffers(recurse=False)) and not any(True for _ in module.parameters(False)):
+                self.causal_lm._init_weights(module)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.causal_lm(input_ids=tokens, use_cache=False).logits
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())

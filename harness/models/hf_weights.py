@@ -1,0 +1,99 @@
+"""Hugging Face safetensors checkpoints in and out, through DCP's Hugging Face
+storage reader and writer (torchtitan's path): `model.init_from` reads one
+into a (sharded) model, every rank only the slices its shards hold;
+`harness.export` writes one with the config.json transformers loads.
+
+A model takes part through `hf_names()` (its parameters' names in
+transformers) and `hf_config()` (harness/models/__init__.py).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+NEEDS_SAFETENSORS = 'Fix: pip install -e ".[hf]" (or pip install safetensors).'
+
+
+def hf_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters under transformers' names (sharing storage: DCP reads into them in place)."""
+    params = dict(model.named_parameters())
+    return {hf: params[fqn].detach() for fqn, hf in model.hf_names().items()}
+
+
+def init_from_errors(model: nn.Module, init_from: str) -> list[str]:
+    """Why `model.init_from` cannot fill `model` (built on the meta device is enough): no such
+    directory, no safetensors, or a tensor the model lacks, misses or shapes otherwise (the first one)."""
+    key = f"model.init_from={init_from!r}"
+    if not hasattr(model, "hf_names"):
+        return [
+            f"{key}: model {type(model).__name__} has no Hugging Face layout to read weights into. "
+            "Fix: model=llama or model=hf, or drop model.init_from."
+        ]
+    path = os.path.expanduser(init_from)
+    if not os.path.isdir(path):
+        return [f"{key}: no such directory. Fix: point it at a local Hugging Face checkpoint (a save_pretrained dir)."]
+    if not glob.glob(os.path.join(path, "*.safetensors")):
+        return [
+            f"{key} holds no *.safetensors files (a PyTorch .bin checkpoint, or not a checkpoint). Fix: convert it "
+            "with transformers (from_pretrained, then save_pretrained(..., safe_serialization=True)), or point "
+            "model.init_from at a safetensors checkpoint."
+        ]
+    try:
+        saved = dcp.HuggingFaceStorageReader(path).read_metadata().state_dict_metadata
+    except ImportError:
+        return [f"{key}: reading safetensors needs the safetensors package, not installed. {NEEDS_SAFETENSORS}"]
+    expected = {hf: tuple(p.shape) for hf, p in hf_state(model).items()}
+    for name, shape in expected.items():
+        if name not in saved:
+            return [
+                f"{key} has no tensor {name!r}, which the model needs (shape {list(shape)}): the checkpoint is of "
+                f"another architecture or size. Fix: set model keys to the checkpoint's config.json, or point "
+                "model.init_from at a checkpoint of this model."
+            ]
+        if tuple(saved[name].size) != shape:
+            return [
+                f"{key}: tensor {name!r} has shape {list(saved[name].size)}, the model's is {list(shape)}. Fix: set "
+                "the model's keys to the checkpoint's config.json (e.g. model.vocab_size, the layer sizes)."
+            ]
+    extra = sorted(saved.keys() - expected.keys())
+    if extra:
+        return [
+            f"{key} holds tensor {extra[0]!r} (and {len(extra) - 1} more) that the model does not have, so its "
+            "weights would be dropped (e.g. an untied output projection for a tied model). Fix: set the model's "
+            "keys to the checkpoint's config.json (model.tie_embeddings, ...)."
+        ]
+    return []
+
+
+@torch.no_grad()
+def load_hf_weights(model: nn.Module, init_from: str) -> None:
+    """Fill `model`'s parameters from the safetensors checkpoint at `init_from`, in place,
+    in any layout (collective under a process group); dtypes are converted to the parameters'."""
+    path = os.path.expanduser(init_from)
+    reader = dcp.HuggingFaceStorageReader(path)
+    dcp.load(hf_state(model), storage_reader=reader, no_dist=not dist.is_initialized())
+
+
+@torch.no_grad()
+def save_hf_weights(model: nn.Module, out: Path) -> None:
+    """Write `model` (one process) as a Hugging Face checkpoint in `out`: safetensors through DCP's
+    writer, plus config.json. Written into a sibling directory and renamed, so `out` is whole or absent."""
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    state = {hf: t.full_tensor() if isinstance(t, DTensor) else t for hf, t in hf_state(model).items()}
+    dcp.save(state, storage_writer=dcp.HuggingFaceStorageWriter(str(partial)))
+    (partial / "config.json").write_text(json.dumps(model.hf_config(), indent=2) + "\n")
+    for file in partial.iterdir():
+        with open(file, "rb") as f:
+            os.fsync(f.fileno())
+    os.replace(partial, out)

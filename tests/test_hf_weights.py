@@ -1,0 +1,189 @@
+"""Hugging Face weights in (`model.init_from`) and out (`python -m harness.export`)
+through DCP's Hugging Face storage reader and writer, with real transformers
+models, real safetensors files and real multi-rank runs; and the refusals of
+weights that do not fit, before any rank starts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from safetensors.torch import load_file
+
+from harness.config import ConfigError, register_configs
+from harness.data import build_data
+from harness.models import build_model, materialize
+from harness.validate import validate
+
+from support import REPO, check_ok, losses, read_metrics, run_cli
+
+register_configs()
+CPU = torch.device("cpu")
+SMALL = ["train.batch_size=4", "train.seq_len=16", "train.log_every=1", "optimizer=adamw"]
+# a Llama of the debug shape, narrower; model=hf the same shape through transformers, tied
+LLAMA = ["model=llama", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2"]
+HF_LLAMA = [
+    "model=hf",
+    "model.config_overrides.hidden_size=64",
+    "model.config_overrides.intermediate_size=256",
+    "+model.config_overrides.tie_word_embeddings=true",
+]
+
+
+def make(*overrides: str):
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        return compose("config", overrides=list(overrides))
+
+
+def exported_tensors(out: Path) -> dict[str, torch.Tensor]:
+    return {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def save_tiny_llama(path: Path, **config) -> None:
+    """A random transformers Llama saved the ordinary way (save_pretrained)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4)
+    LlamaForCausalLM(LlamaConfig(vocab_size=256, num_key_value_heads=2, **{**shape, **config})).save_pretrained(path)
+
+
+# (model, layout, checkpoint mode): the Llama as post-local SGD replicas that have diverged
+# (the export is their mean), model=hf sharded over 2 ranks
+CASES = [
+    ("llama", ["launcher.nproc=2", "sharding=no_shard", "averager=periodic", "averager.warmup_steps=2"], "full"),
+    ("hf", ["launcher.nproc=2", "sharding=full_shard", "averager=none"], "sharded"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,layout,mode", CASES, ids=[f"{m}-{mode}" for m, _, mode in CASES])
+def test_export_loads_in_transformers_and_init_from_reads_it_back_bitwise(model, layout, mode, tmp_path, cli_env):
+    """Train and checkpoint; `python -m harness.export` writes safetensors that
+    transformers' AutoModelForCausalLM loads bit for bit and that give the
+    harness model's logits; `model.init_from` reads them back bit for bit, in
+    one process and sharded over 2 ranks (whose first loss is the one-process
+    loss of the same batch)."""
+    from transformers import AutoModelForCausalLM
+
+    model_args = LLAMA if model == "llama" else HF_LLAMA
+    run, out = tmp_path / "run", tmp_path / "hf"
+    args = [*SMALL, *model_args, *layout, "train.steps=5", f"checkpoint={mode}", f"hydra.run.dir={run}"]
+    check_ok(run_cli(args, cli_env, tmp_path))
+    proc = subprocess.run(
+        [sys.executable, "-m", "harness.export", str(run), str(out)], env=cli_env, capture_output=True, text=True
+    )
+    check_ok(proc)
+    exported = exported_tensors(out)
+    if model == "llama":  # steps 4-5 were local: the replicas differ, and the export is their mean
+        assert "exported the mean of 2 diverged replicas at step 5" in proc.stdout, proc.stdout
+        step = run / "checkpoints" / "step_5"
+        r0, r1 = (torch.load(step / f, weights_only=True)["model"] for f in ("full.pt", "replica_1.pt"))
+        assert not torch.equal(r0["output.weight"], r1["output.weight"])
+        torch.testing.assert_close(exported["lm_head.weight"], (r0["output.weight"] + r1["output.weight"]) / 2)
+
+    theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    for name, param in theirs.named_parameters():
+        assert torch.equal(param, exported[name]), name
+
+    cfg = make(*model_args, f"model.init_from={out}", *SMALL)
+    ours = build_model(cfg.model, cfg.train.seq_len)
+    materialize(ours, CPU, seed=123, init_from=cfg.model.init_from)
+    state = dict(ours.named_parameters())
+    assert {hf: fqn for fqn, hf in ours.hf_names().items()}.keys() == exported.keys()
+    for fqn, hf in ours.hf_names().items():
+        assert torch.equal(state[fqn], exported[hf]), fqn  # harness -> HF -> harness is bitwise
+
+    sharded = tmp_path / "sharded"
+    args = [*SMALL, *model_args, f"model.init_from={out}", "launcher.nproc=2", "sharding=full_shard"]
+    check_ok(run_cli([*args, "averager=none", "train.steps=1", f"hydra.run.dir={sharded}"], cli_env, tmp_path))
+    # the run's first global batch (2 ranks x 4), read in one process
+    tokens, targets = build_data(make(*args, "train.batch_size=8"), rank=0, world_size=1, device=CPU).next_batch()
+    logits = []
+    head = ours.output if model == "llama" else ours.lm_head
+    head.register_forward_hook(lambda module, args, out: logits.append(out))
+    with torch.no_grad():
+        first = ours(tokens, targets).item()
+        expected = theirs(input_ids=tokens).logits
+    torch.testing.assert_close(logits[0], expected, rtol=1e-5, atol=1e-5)
+    assert losses(sharded)[0] == pytest.approx(first, rel=1e-5)
+    assert read_metrics(sharded)[0]["train/loss"] != pytest.approx(read_metrics(run)[0]["train/loss"], rel=1e-3)
+
+
+def init_from_case(tmp_path: Path, case: str) -> list[str]:
+    """Overrides for one bad `model.init_from`, its files written under `tmp_path`."""
+    if case == "missing":
+        return [*LLAMA, f"model.init_from={tmp_path / 'nowhere'}"]
+    if case == "no safetensors":
+        (tmp_path / "bin").mkdir()
+        torch.save({}, tmp_path / "bin" / "pytorch_model.bin")
+        return [*LLAMA, f"model.init_from={tmp_path / 'bin'}"]
+    if case == "shape":
+        save_tiny_llama(tmp_path / "wide", hidden_size=128, intermediate_size=512)
+        return [*LLAMA, f"model.init_from={tmp_path / 'wide'}"]
+    if case == "extra tensor":  # an untied checkpoint for a tied model: its lm_head would be dropped
+        save_tiny_llama(tmp_path / "untied", intermediate_size=256)
+        return [*LLAMA, "model.tie_embeddings=true", f"model.init_from={tmp_path / 'untied'}"]
+    if case == "no hf layout":
+        save_tiny_llama(tmp_path / "llama")
+        return ["model=mlp", f"model.init_from={tmp_path / 'llama'}"]
+    if case == "config vocab":
+        save_tiny_llama(tmp_path / "vocab")
+        return ["model=hf", f"model.config={tmp_path / 'vocab'}", "model.vocab_size=512"]
+    raise AssertionError(case)
+
+
+INIT_FROM_CASES = [
+    ("missing", ["model.init_from=", "nowhere", "no such directory", "Fix:"]),
+    ("no safetensors", ["holds no *.safetensors", "save_pretrained(..., safe_serialization=True)"]),
+    ("shape", ["tensor 'model.embed_tokens.weight' has shape [256, 128], the model's is [256, 64]", "Fix:"]),
+    ("extra tensor", ["holds tensor 'lm_head.weight'", "model.tie_embeddings", "Fix:"]),
+    ("no hf layout", ["model TokenMLP has no Hugging Face layout", "Fix: model=llama or model=hf"]),
+    ("config vocab", ["model.vocab_size=512 differs from", "vocab_size=256", "Fix: model.vocab_size=256"]),
+]
+
+
+@pytest.mark.parametrize("case,expected", INIT_FROM_CASES, ids=[c[0] for c in INIT_FROM_CASES])
+def test_weights_that_do_not_fit_are_refused_before_any_rank_starts(case, expected, tmp_path):
+    with pytest.raises(ConfigError) as info:
+        validate(make(*init_from_case(tmp_path, case)), world_size=2, gpus=0)
+    for text in expected:
+        assert text in str(info.value), f"{text!r} not in:\n{info.value}"
+
+
+@pytest.mark.parametrize(
+    "setup,expected",
+    [
+        ("", ["model.model_type='nope' is not a model type transformers knows", "llama", "Fix:"]),
+        ("sys.modules['transformers'] = None", ["model=hf needs Hugging Face transformers", '.[hf]"']),
+    ],
+    ids=["unknown model_type", "transformers missing"],
+)
+def test_model_hf_names_what_is_missing(setup, expected):
+    """Through validate, in a fresh interpreter (so transformers can be absent)."""
+    code = (
+        f"import sys; {setup}\n"
+        "from hydra import compose, initialize_config_dir\n"
+        "from harness.config import register_configs\n"
+        "from harness.validate import validate\n"
+        "register_configs()\n"
+        f"with initialize_config_dir(config_dir={str(REPO / 'conf')!r}, version_base=None):\n"
+        "    cfg = compose('config', overrides=['model=hf', 'model.model_type=nope'])\n"
+        "validate(cfg, world_size=2, gpus=0)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode != 0
+    for text in expected:
+        assert text in proc.stderr, f"{text!r} not in:\n{proc.stderr[-3000:]}"
+
+
+def test_hf_config_overrides_reach_the_transformers_config():
+    cfg = make(*HF_LLAMA, "model.config_overrides.num_hidden_layers=3")
+    model = build_model(cfg.model, seq_len=16)
+    assert len(model.blocks) == 3 and model.config.hidden_size == 64 and model.config.vocab_size == 256
+    assert OmegaConf.to_container(cfg.model.config_overrides)["tie_word_embeddings"] is True
+    assert model.lm_head.weight is model.model.embed_tokens.weight
