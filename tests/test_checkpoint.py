@@ -30,11 +30,14 @@ LAYOUTS = {
     # DDP, 4 replicas: synchronous (4-rank gradient all-reduce) until step 8, then
     # post_localSGD_hook with averaging at 9 and 12; 2 micro-batches per step (no_sync on the first)
     "ddp4": ["launcher.nproc=4", "sharding=ddp", "averager.warmup_steps=8", "train.grad_accum=2", *LOCAL_SGD],
-    # 2 replicas x 2 shards (HSDP layout, per-replica copies of shards), with Streaming
-    # DiLoCo in bf16: fragment 0 syncs at 5 and 13, fragment 1 at 9, so at step 7 only
-    # fragment 0 has outer-optimizer state, and 10 and 12 fall between syncs
+    # 2 replicas x 2 shards (HSDP layout, per-replica copies of shards) of a Llama, with
+    # Streaming DiLoCo in bf16 (its 2 blocks are the fragments): fragment 0 syncs at 5 and
+    # 13, fragment 1 at 9, so at step 7 only fragment 0 has outer-optimizer state, and 10
+    # and 12 fall between syncs
     "2x2-diloco": [
         "launcher.nproc=4",
+        "model=llama",
+        "model.d_model=64",
         "sharding=hybrid_shard",
         "sharding.replicate=2",
         "optimizer=adamw",

@@ -19,6 +19,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from harness.config import register_configs
 from harness.data import TextTokens, TokenStream, build_data
 from harness.models import Llama, build_model, materialize
+from harness.models.llama import hf_name
 
 from support import REPO
 
@@ -144,55 +145,75 @@ def test_init_is_seeded_per_parameter_not_by_order():
 
 
 LLAMA = dict(_target_="harness.models.Llama", n_layer=2, d_model=32, n_heads=4, n_kv_heads=2, vocab_size=64)
+HF = dict(
+    _target_="harness.models.HFCausalLM",
+    vocab_size=64,
+    config_overrides=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4),
+)
+HF_TIED = {**HF, "config_overrides": {**HF["config_overrides"], "tie_word_embeddings": True}}
+LAYOUT_CASES = {"llama": LLAMA, "llama-tied": {**LLAMA, "tie_embeddings": True}, "hf-tied": HF_TIED}
 
 
-def test_llama_init_is_the_same_full_value_whatever_the_layout():
+def ties(model) -> set[tuple[str, str]]:
+    """(first name, other name) of each parameter registered under two names."""
+    first = {}
+    named = model.named_parameters(remove_duplicate=False)
+    return {(f, n) for n, p in named if (f := first.setdefault(id(p), n)) != n}
+
+
+@pytest.mark.parametrize("case", LAYOUT_CASES)
+def test_init_is_the_same_full_value_whatever_the_layout(case):
     """The last rank of a 4-way FSDP2 shard holds its slice of what one process
     materialises (a fake process group: distributing a full value needs no
-    collective), tied or not, and a tied table stays tied."""
+    collective), for the Llama tied or not and a transformers model (drawn by
+    its own _init_weights), and a tied table stays tied."""
+    cfg = OmegaConf.create(LAYOUT_CASES[case])
     dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=4)
     try:
         # a mesh name of its own: FSDP2 would otherwise reuse an equal mesh of an earlier
         # fake world in this process, with that world's rank
-        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("llama_layout",))
-        for tie in (False, True):
-            cfg = OmegaConf.create({**LLAMA, "tie_embeddings": tie})
-            whole, sharded = build_model(cfg, 8), build_model(cfg, 8)
-            materialize(whole, CPU, seed=7)
-            for block in sharded.blocks:
-                fully_shard(block, mesh=mesh)
-            fully_shard(sharded, mesh=mesh)
-            materialize(sharded, CPU, seed=7)
-            for (name, full), (_, shard) in zip(whole.named_parameters(), sharded.named_parameters()):
-                assert isinstance(shard, DTensor), name
-                assert torch.equal(shard.to_local(), torch.chunk(full, 4)[3]), name
-            assert (sharded.output.weight is sharded.tok_embeddings.weight) == tie
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=(f"layout_{case.replace('-', '_')}",))
+        whole, sharded = build_model(cfg, 8), build_model(cfg, 8)
+        materialize(whole, CPU, seed=7)
+        for block in sharded.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(sharded, mesh=mesh)
+        materialize(sharded, CPU, seed=7)
+        for (name, full), (_, shard) in zip(whole.named_parameters(), sharded.named_parameters()):
+            assert isinstance(shard, DTensor), name
+            assert torch.equal(shard.to_local(), torch.chunk(full, 4)[3]), name
+        assert ties(sharded) == ties(whole) and bool(ties(whole)) == ("tied" in case)
+        for (name, a), (_, b) in zip(whole.named_buffers(), sharded.named_buffers()):
+            assert torch.equal(a, b), name  # computed buffers (HF's rotary frequencies) are set on every rank
     finally:
         dist.destroy_process_group()
-    block = whole.blocks[1]
-    assert torch.all(block.attention_norm.weight == 1) and torch.all(whole.norm.weight == 1)
-    assert block.feed_forward.w2.weight.std() < block.feed_forward.w1.weight.std()  # depth-scaled projections out
-    assert not torch.equal(whole.blocks[0].attention.wq.weight, block.attention.wq.weight)
+    if case == "llama":
+        block = whole.blocks[1]
+        assert torch.all(block.attention_norm.weight == 1) and torch.all(whole.norm.weight == 1)
+        assert block.feed_forward.w2.weight.std() < block.feed_forward.w1.weight.std()  # depth-scaled projections out
+        assert not torch.equal(whole.blocks[0].attention.wq.weight, block.attention.wq.weight)
 
 
-def hf_name(name: str) -> str:
-    """Our Llama's parameter name as transformers' LlamaForCausalLM spells it."""
-    for ours, theirs in [
-        ("tok_embeddings", "model.embed_tokens"),
-        ("blocks.", "model.layers."),
-        ("attention.wq", "self_attn.q_proj"),
-        ("attention.wk", "self_attn.k_proj"),
-        ("attention.wv", "self_attn.v_proj"),
-        ("attention.wo", "self_attn.o_proj"),
-        ("feed_forward.w1", "mlp.gate_proj"),
-        ("feed_forward.w2", "mlp.down_proj"),
-        ("feed_forward.w3", "mlp.up_proj"),
-        ("attention_norm", "input_layernorm"),
-        ("ffn_norm", "post_attention_layernorm"),
-        ("output", "lm_head"),
-    ]:
-        name = name.replace(ours, theirs)
-    return "model.norm.weight" if name == "norm.weight" else name
+def test_hf_model_is_initialised_as_transformers_initialises_it():
+    """model=hf draws each tensor from its own seed, yet by the model's own
+    _init_weights: per tensor, the statistics of the model built the ordinary
+    way (AutoModelForCausalLM.from_config), norms exactly at one, buffers equal."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = OmegaConf.create({**HF, "vocab_size": 256, "config_overrides": {**HF["config_overrides"], "hidden_size": 64}})
+    ours = build_model(cfg, 8)
+    materialize(ours, CPU, seed=0)
+    torch.manual_seed(0)
+    theirs = AutoModelForCausalLM.from_config(ours.config)
+    for (name, a), (_, b) in zip(ours.named_parameters(), theirs.named_parameters()):
+        if name.endswith("norm.weight"):
+            assert torch.equal(a, b), name
+        else:
+            assert not torch.equal(a, b), name
+            assert abs(a.mean().item() - b.mean().item()) < 4 * b.std().item() / a.numel() ** 0.5, name
+            assert a.std().item() == pytest.approx(b.std().item(), rel=0.1), name
+    for (name, a), (_, b) in zip(ours.named_buffers(), theirs.named_buffers()):
+        assert torch.equal(a, b), name
 
 
 def hf_config(model: Llama, d_model: int, n_layer: int, n_heads: int, n_kv_heads: int, vocab_size: int):

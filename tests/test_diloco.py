@@ -101,7 +101,8 @@ def test_fragments_sync_once_per_period_each_and_split_the_bytes(tmp_path, cli_e
 
 @pytest.mark.slow
 def test_eval_pass_scores_held_out_text_and_leaves_training_unchanged(tmp_path, cli_env):
-    common = [*LOCAL, "averager=diloco", "data=text", "model.dropout=0.1", "train.steps=6"]
+    common = [*LOCAL, "averager=diloco", "data=text", "model=llama", "model.d_model=64", "model.dropout=0.1"]
+    common.append("train.steps=6")
     train(tmp_path / "plain", cli_env, *common)
     rows = train(tmp_path / "eval", cli_env, *common, "train.eval_every=4", "train.eval_batches=2")
     assert [r["step"] for r in rows if "eval/loss" in r] == [4, 6]  # every 4 steps and at the end

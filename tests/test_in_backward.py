@@ -14,7 +14,7 @@ from support import FAST, REPO, assert_bitwise_equal, check_ok, flat, run_cli, s
 
 LAYOUTS = {
     "2x1": ["launcher.nproc=2", "sharding=no_shard"],
-    "2x2": ["launcher.nproc=4", "sharding=hybrid_shard", "sharding.replicate=2"],
+    "2x2": ["launcher.nproc=4", "sharding=hybrid_shard", "sharding.replicate=2", "model=llama", "model.d_model=64"],
 }
 POST_LOCAL = ["averager=periodic", "averager.period=2", "averager.warmup_steps=3"]  # warmup, local steps, averaging
 CASES = {  # SGD and AdamW, with and without averaging, on both layouts (the resume test adds AdamW + averaging on 2x2)

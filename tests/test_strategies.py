@@ -38,7 +38,8 @@ def reference(tmp_path_factory):
 
 # (strategy, ranks, replicas, micro-batches per step, model): with gradient accumulation the K
 # micro-batches of each rank hold what one batch of K·B would, and only the last reduces gradients
-# (FSDP2's set_requires_gradient_sync, DDP's no_sync); the Llama, sharded, with its table tied
+# (FSDP2's set_requires_gradient_sync, DDP's no_sync); the Llama, sharded, with its table tied;
+# a transformers model
 LAYOUTS = [
     ("full_shard", 2, None, 1, MLP),
     ("shard_grad_op", 2, None, 1, MLP),
@@ -49,13 +50,14 @@ LAYOUTS = [
     ("ddp", 2, None, 4, MLP),
     ("hybrid_shard", 4, 2, 2, MLP),
     ("full_shard", 2, None, 1, ("model=llama", "model.tie_embeddings=true")),
+    ("hybrid_shard", 2, 2, 1, ("model=hf",)),  # transformers' LlamaForCausalLM, its decoder layers as blocks
 ]
 
 
 @pytest.mark.parametrize(
     "strategy,nproc,replicate,accum,model",
     LAYOUTS,
-    ids=[f"{s}@{n}" + (f"x{k}" if k > 1 else "") + ("" if m == MLP else "-llama") for s, n, _, k, m in LAYOUTS],
+    ids=[f"{s}@{n}" + (f"x{k}" if k > 1 else "") + ("" if m == MLP else f"-{m[0][6:]}") for s, n, _, k, m in LAYOUTS],
 )
 def test_strategy_trains_and_matches_single_process(strategy, nproc, replicate, accum, model, reference, tmp_path):
     reference = reference(model)
