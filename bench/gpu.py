@@ -2,7 +2,8 @@
 
 What is measured: ms per optimizer step, tokens/s and MFU on the device the
 ranks use (the GPU when CUDA is visible, else the CPU) for six paths that train
-the same model from the same initial weights on the same batches:
+the same model from the same initial weights on the same batches, for each
+model in turn (a GPT and a Llama, `--models`):
 
   harness                 `build_job` + `Trainer` as `run_rank` runs them (checkpoint=none, W&B disabled,
                           its periodic logging and rank 0's metrics.jsonl included), the config's own
@@ -34,7 +35,7 @@ The targets are a GPU's: on CPU the ratios are printed and the verdicts read
 
     python bench/gpu.py [--nproc 1] [--rounds 10] [--steps-per-round 10] [--no-compile]
                         [--compile-backend inductor] [hydra overrides ...]
-    python bench/gpu.py --smoke   # CPU, 2 ranks, 1 GPT block, 1 measured round of 1 step, compile backend eager
+    python bench/gpu.py --smoke   # CPU, 2 ranks, 1 block of each model, 1 measured round of 1 step, eager backend
 """
 
 from __future__ import annotations
@@ -65,40 +66,49 @@ from harness.plan import RunPlan, averager_configured
 from harness.sharding import RESHARD_AFTER_FORWARD, compile_blocks, resolve_dtype
 from harness.throughput import peak_flops
 
-# The 163M GPT of the issue on a GPU; on CPU a tiny GPT, so that a run with compiling ends in minutes on 2 cores.
-CUDA_DEFAULTS = [
-    "model=gpt",
-    "model.n_layer=12",
-    "model.n_head=12",
-    "model.d_model=768",
-    "model.vocab_size=50304",
-    "train.batch_size=16",
-    "train.seq_len=1024",
-]
-CPU_DEFAULTS = [
-    "model=gpt",
-    "model.n_layer=2",
-    "model.d_model=64",
-    "model.n_head=4",
-    "train.batch_size=4",
-    "train.seq_len=64",
-    "dist.threads_per_rank=1",
-]
-# --smoke: every path on 2 ranks, the tiny GPT smaller still, compiled paths traced by dynamo with the eager
+# Each model in turn, its shape by device: on a GPU the 163M GPT of the issue and Llama 3.2 1B (the
+# architecture users train; batch 2 of 2048 so that its six paths fit side by side in 80 GB, unmeasured
+# so far); on CPU a tiny GPT and a tiny Llama, so that a run with compiling ends in minutes on 2 cores.
+CUDA_MODELS = {
+    "gpt": [
+        "model=gpt",
+        "model.n_layer=12",
+        "model.n_head=12",
+        "model.d_model=768",
+        "model.vocab_size=50304",
+        "train.batch_size=16",
+        "train.seq_len=1024",
+    ],
+    "llama3_1b": ["model=llama3_1b", "train.batch_size=2", "train.seq_len=2048"],
+}
+CPU_SIZE = ["train.batch_size=4", "train.seq_len=64", "dist.threads_per_rank=1"]
+CPU_MODELS = {
+    "gpt": ["model=gpt", "model.n_layer=2", "model.d_model=64", "model.n_head=4", *CPU_SIZE],
+    "llama": ["model=llama", "model.n_layer=2", "model.d_model=64", "model.n_heads=4", *CPU_SIZE],
+}
+# --smoke: every path on 2 ranks, the tiny models smaller still, compiled paths traced by dynamo with the eager
 # backend (no inductor code generation, which takes minutes on a cold CPU cache)
 SMOKE = ["--nproc", "2", "--rounds", "1", "--steps-per-round", "1", "--compile-backend", "eager"]
 SMOKE_OVERRIDES = ["train.device=cpu", "model.n_layer=1", "train.seq_len=32", "train.batch_size=2"]
 OVERHEAD_TARGET, PLAIN_TARGET, MFU_TARGET = 1.05, 1.0, 0.45
 
 
-def compose_config(args: argparse.Namespace, run_dir: Path) -> tuple[DictConfig, RunPlan]:
+def model_defaults(args: argparse.Namespace) -> dict[str, list[str]]:
+    """The models to measure, each with its default shape: the device's set, or the one
+    model an override names (with the shape keys of neither)."""
     fixed = ["averager=none", "wandb.mode=disabled", f"launcher.nproc={args.nproc}"]
     # which defaults apply depends on the device the overrides leave the ranks on
     probe = compose([*fixed, *args.overrides])
     cuda = resolve_device(probe.train.device, visible_gpus()) == "cuda"  # NVML: the parent never inits CUDA
-    defaults = CUDA_DEFAULTS if cuda else CPU_DEFAULTS
-    if any(o.startswith("model=") for o in args.overrides):  # another model: its shape keys differ
-        defaults = [d for d in defaults if not d.startswith("model")]
+    models = CUDA_MODELS if cuda else CPU_MODELS
+    named = [o.split("=", 1)[1] for o in args.overrides if o.startswith("model=")]
+    if named:  # another model: its shape keys differ
+        return {named[-1]: [d for d in models["gpt"] if not d.startswith("model")]}
+    return {name: models[name] for name in args.models.split(",")} if args.models else models
+
+
+def compose_config(args: argparse.Namespace, defaults: list[str], run_dir: Path) -> tuple[DictConfig, RunPlan]:
+    fixed = ["averager=none", "wandb.mode=disabled", f"launcher.nproc={args.nproc}"]
     cfg = compose(["sharding=full_shard", *fixed, *defaults, *args.overrides])
     with open_dict(cfg):  # the harness paths train in every round: train.steps bounds Trainer.run(until=...)
         cfg.train.steps = (args.rounds + 1) * args.steps_per_round
@@ -354,6 +364,9 @@ def main() -> None:
     parser.add_argument(
         "--compile-backend", default="inductor", help="torch.compile backend of the compiled paths (smoke: eager)"
     )
+    parser.add_argument(
+        "--models", default=None, help="comma-separated, of the device's set (GPU: gpt,llama3_1b; CPU: gpt,llama)"
+    )
     parser.add_argument("--smoke", action="store_true", help=f"{SMOKE_HELP}: {' '.join(SMOKE + SMOKE_OVERRIDES)}")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides, applied last, e.g. train.batch_size=8")
     args = parser.parse_args()
@@ -363,11 +376,13 @@ def main() -> None:
     if args.nproc < 1 or args.rounds < 1 or args.steps_per_round < 1:
         parser.error("need --nproc, --rounds and --steps-per-round >= 1")
     command = shlex.join(["python", *sys.argv])
-    with tempfile.TemporaryDirectory(prefix="harness-bench-gpu-") as tmp:
-        run_dir = Path(tmp)
-        cfg, plan = compose_config(args, run_dir)
-        rank_args = (args.rounds + 1, args.steps_per_round, not args.no_compile, args.compile_backend, command)
-        launch(cfg, run_dir, plan, worker, *rank_args)  # one rank in this process, as `python train.py` runs it
+    for name, defaults in model_defaults(args).items():
+        print(f"## {name}", flush=True)
+        with tempfile.TemporaryDirectory(prefix="harness-bench-gpu-") as tmp:
+            run_dir = Path(tmp)
+            cfg, plan = compose_config(args, defaults, run_dir)
+            rank_args = (args.rounds + 1, args.steps_per_round, not args.no_compile, args.compile_backend, command)
+            launch(cfg, run_dir, plan, worker, *rank_args)  # one rank in this process, as `python train.py` runs it
     print("bench/gpu.py: done")
 
 

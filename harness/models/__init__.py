@@ -50,7 +50,7 @@ def build_model(cfg: DictConfig, seq_len: int) -> nn.Module:
     """The model `cfg._target_` names, on the meta device."""
     spec = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k not in HARNESS_KEYS}
     with torch.device("meta"):
-        return instantiate(spec, _partial_=True)(seq_len=seq_len)
+        return instantiate(spec, _partial_=True, _convert_="all")(seq_len=seq_len)
 
 
 @torch.no_grad()
