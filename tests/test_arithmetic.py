@@ -96,21 +96,27 @@ def test_hierarchical_averages_within_the_group_of_the_largest_dividing_period()
 @pytest.mark.parametrize(
     "fragments, period, warmup, expected",
     [
-        (1, 4, 2, {2: 0, 6: 0, 10: 0, 14: 0}),
-        (2, 4, 2, {2: 0, 4: 1, 6: 0, 8: 1, 10: 0, 12: 1, 14: 0, 16: 1}),
-        (4, 8, 0, {0: 0, 2: 1, 4: 2, 6: 3, 8: 0, 10: 1, 12: 2, 14: 3, 16: 0}),
+        (1, 4, 2, {5: 0, 9: 0, 13: 0}),
+        (1, 4, 0, {3: 0, 7: 0, 11: 0, 15: 0}),  # after steps 4, 8, 12, ... (1-based), as torchft's DiLoCo
+        (2, 4, 2, {3: 0, 5: 1, 7: 0, 9: 1, 11: 0, 13: 1, 15: 0}),
+        (4, 8, 0, {1: 0, 3: 1, 5: 2, 7: 3, 9: 0, 11: 1, 13: 2, 15: 3}),
         (4, 4, 1, {s: (s - 1) % 4 for s in range(1, 17)}),
     ],
 )
-def test_each_fragment_syncs_once_per_period_at_its_offset(fragments, period, warmup, expected):
+def test_each_fragment_syncs_once_per_period_after_its_offset(fragments, period, warmup, expected):
+    """Fragment f first syncs after (f + 1)·period/F local steps, then every period (torchft's schedule)."""
     due = {s: schedule.fragment_due(s, warmup, period, fragments) for s in range(17)}
     assert {s: f for s, f in due.items() if f is not None} == expected
 
 
-def test_one_fragment_syncs_on_the_periodic_schedule():
+def test_one_fragment_syncs_a_period_later_than_periodic_less_one_step():
+    """periodic averages after local step 1, 1 + P, ...; DiLoCo after P, 2P, ...: with one
+    more warmup step DiLoCo syncs where periodic does, but its first one (tests/test_diloco.py)."""
     for period, warmup in [(1, 0), (4, 2), (5, 7)]:
         for s in range(40):
-            assert (schedule.fragment_due(s, warmup, period, 1) == 0) == schedule.periodic_due(s, warmup, period)
+            diloco = schedule.fragment_due(s, warmup + 1, period, 1) == 0
+            periodic = schedule.periodic_due(s, warmup, period) and s >= warmup + period
+            assert diloco == periodic, (period, warmup, s)
 
 
 def test_replica_averager_averages_on_its_schedule_and_reads_the_warmup_test(world_of_1):

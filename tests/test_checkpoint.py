@@ -31,9 +31,9 @@ LAYOUTS = {
     # post_localSGD_hook with averaging at 9 and 12; 2 micro-batches per step (no_sync on the first)
     "ddp4": ["launcher.nproc=4", "sharding=ddp", "averager.warmup_steps=8", "train.grad_accum=2", *LOCAL_SGD],
     # 2 replicas x 2 shards (HSDP layout, per-replica copies of shards) of a Llama, with
-    # Streaming DiLoCo in bf16 (its 2 blocks are the fragments): fragment 0 syncs at 5 and
-    # 13, fragment 1 at 9, so at step 7 only fragment 0 has outer-optimizer state, and 10
-    # and 12 fall between syncs
+    # Streaming DiLoCo in bf16 (its 2 blocks are the fragments): fragment 0 syncs after
+    # steps 6 and 14, fragment 1 after 10, so at step 7 only fragment 0 has outer-optimizer
+    # state, 9 and 12 fall between syncs, 10 is one
     "2x2-diloco": [
         "launcher.nproc=4",
         "model=llama",
@@ -44,7 +44,7 @@ LAYOUTS = {
         "averager=diloco",
         "averager.period=8",
         "averager.fragments=2",
-        "averager.warmup_steps=4",
+        "averager.warmup_steps=2",
         "averager.comm_dtype=bfloat16",
         "model.activation_checkpointing=full",  # recomputed in backward: resume stays exact
     ],

@@ -8,10 +8,14 @@ of the outer optimizer (any `torch.optim` class; DiLoCo's is Nesterov SGD,
 lr 0.7, momentum 0.9) with `Δ` as the gradient, and sets `θ_local ← θ_outer`.
 With outer SGD at lr 1 and no momentum this is post-local SGD's average.
 
-With `fragments=F` the model is split into F fragments of whole blocks
-(embeddings, final norm and head count as units too), balanced by size;
-fragment f syncs at offset f*period/F inside each period, so every fragment
-syncs once per period and a sync step sends about 1/F of the model.
+Syncs come after `period` local steps (the paper's Algorithm 1 and torchft's
+`DiLoCo`: after steps W + P, W + 2P, ... for warmup W), not after the first
+local step as torch's `PeriodicModelAverager` (`averager=periodic`) does. With
+`fragments=F` the model is split into F fragments of whole blocks (embeddings,
+final norm and head count as units too), balanced by size; a sync falls every
+P/F local steps, the fragments in turn, so fragment f first syncs after
+(f+1)·P/F local steps and then every P, and a sync step sends about 1/F of the
+model (`schedule.fragment_due`).
 
 `θ_outer` starts as the parameters at the end of warmup (the initial ones when
 there is none). The outer optimizer steps plain tensors (the local shards), so

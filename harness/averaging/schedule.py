@@ -39,10 +39,14 @@ def hierarchical_period(step: int, warmup_steps: int, periods) -> int | None:
 
 
 def fragment_due(step: int, warmup_steps: int, period: int, fragments: int) -> int | None:
-    """Streaming DiLoCo: the fragment that syncs after iteration `step`, or None.
-    Fragment f syncs at offset `f·period/fragments` in each period past warmup."""
+    """(Streaming) DiLoCo, as the paper's Algorithm 1 and torchft's `DiLoCo` have
+    it: the fragment that syncs after iteration `step`, or None. Past warmup a
+    sync falls every `period / fragments` local steps, the fragments in turn, so
+    fragment f first syncs after `(f + 1)·period/fragments` local steps and then
+    every `period`: one fragment's outer step comes after `period` inner steps,
+    the first one included (not after the first local step, as `periodic_due`'s)."""
     if synchronous(step, warmup_steps):
         return None
-    offset = (step - warmup_steps) % period
     stride = period // fragments
-    return offset // stride if offset % stride == 0 else None
+    local_steps = step - warmup_steps + 1
+    return (local_steps // stride - 1) % fragments if local_steps % stride == 0 else None
