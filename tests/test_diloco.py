@@ -69,6 +69,30 @@ def test_outer_sgd_at_lr_1_is_post_local_sgd_and_bf16_halves_the_bytes(tmp_path,
 
 
 @pytest.mark.slow
+def test_diloco_ends_where_torchft_diloco_ends(tmp_path, cli_env):
+    """The same model, initial weights, batches and optimizers (AdamW inside,
+    Nesterov 0.7/0.9 outside), period 4 from the first step: the harness's
+    averager=diloco (2 replicas, FSDP2 no_shard) and torchft's DiLoCo (one
+    fragment, tests/probes/torchft_diloco.py) sync after the same steps and end
+    on the same parameters, bit for bit, and the same losses."""
+    common = [*FAST, "launcher.nproc=2", "sharding=no_shard", "train.steps=12", "train.grad_clip=0"]
+    common += ["averager=diloco", "averager.period=4", "averager.warmup_steps=0"]
+    rows = train(tmp_path / "harness", cli_env, *common, "checkpoint=full")
+    assert sorted(syncs(rows)) == [4, 8, 12]
+    probe = REPO / "tests" / "probes" / "torchft_diloco.py"
+    check_ok(run_cli([str(tmp_path / "torchft.pt"), *common], cli_env, REPO, torchrun_nproc=2, script=probe))
+    theirs = torch.load(tmp_path / "torchft.pt", weights_only=True)
+    step = tmp_path / "harness" / "checkpoints" / "step_12"
+    for replica, file in enumerate(("full.pt", "replica_1.pt")):
+        ours = torch.load(step / file, weights_only=True)["model"]
+        assert ours.keys() == theirs["params"][replica].keys()
+        for name, value in ours.items():
+            assert torch.equal(value, theirs["params"][replica][name]), (replica, name)
+    mean_loss = [sum(step_losses) / 2 for step_losses in zip(*theirs["losses"])]
+    assert list(loss_by_step(tmp_path / "harness").values()) == pytest.approx(mean_loss, rel=1e-6)
+
+
+@pytest.mark.slow
 def test_fragments_sync_once_per_period_each_and_split_the_bytes(tmp_path, cli_env):
     """Period 8, 4 fragments, bf16: a fragment every 2 steps, in turn; each step's
     bytes at most 1.5/4 of a whole sync, the four together exactly one (in bf16:
