@@ -83,6 +83,8 @@ class ActivationCheckpointing(Choice):
 class CommDType(Choice):
     float32 = "float32"
     bfloat16 = "bfloat16"  # sent in bf16, summed in fp32: half the bytes
+    int8 = "int8"  # 8-bit values with an fp32 scale per 1024: about a quarter of the bytes
+    float8_e4m3fn = "float8_e4m3fn"  # the same in float8 (torch builds that have the dtype)
 
 
 class OuterDevice(Choice):

@@ -262,6 +262,28 @@ def test_mean_over_a_world_of_one_keeps_the_values(world_of_1):
     torch.testing.assert_close(params[0], x, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
+def test_eight_bit_mean_is_within_its_stated_error_and_counts_values_and_scales(world_of_1, dtype):
+    """Each QUANT_BLOCK block crosses as 8-bit values plus an fp32 scale, twice
+    (to the member that sums it, back from it): per element the error is at most
+    two quantisation errors, each max|block| / 254 for int8 (half a step) and
+    2^-4 of the value for float8_e4m3fn (3 mantissa bits; near zero half its
+    subnormal step)."""
+    x = torch.randn(3000, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.01, 10, 3000)
+    y = x.clone()
+    blocks = -(-3000 // collectives.QUANT_BLOCK)
+    assert mean_over_group(y, world_of_1, dtype) == blocks * collectives.QUANT_BLOCK + blocks * 4
+    padded = torch.zeros(blocks * collectives.QUANT_BLOCK)
+    padded[:3000] = x
+    block_max = padded.view(blocks, -1).abs().amax(1).repeat_interleave(collectives.QUANT_BLOCK)[:3000]
+    if dtype == torch.int8:
+        bound = 2 * block_max / 254
+    else:  # half an ulp: 2^-4 relative, or half the subnormal step (2^-9 of the scale) near zero
+        bound = 2 * (x.abs() * 2**-4 * (1 + 2**-4) + block_max / 448 * 2**-10)
+    assert torch.all((y - x).abs() <= bound * (1 + 1e-6)), (y - x).abs().max()
+    assert not torch.equal(y, x)
+
+
 # -- gradient clipping ---------------------------------------------------------------
 
 

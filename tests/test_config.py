@@ -287,6 +287,19 @@ def test_valid_hierarchies_pass():
     )
 
 
+def test_a_comm_dtype_the_torch_build_lacks_is_refused():
+    """The rule validate asks of every averager, given a dtype name this build lacks
+    (float8_e4m3fn on a build without float8 types reads the same)."""
+    from harness.averaging.config_rules import periodic_errors
+
+    cfg = make("averager=diloco", "averager.comm_dtype=int8")
+    assert periodic_errors(cfg, replicas=2) == []
+    cfg.averager = OmegaConf.merge(OmegaConf.to_container(cfg.averager), {"comm_dtype": "float8_e3m4"})
+    (error,) = periodic_errors(cfg, replicas=2)
+    assert "averager.comm_dtype=float8_e3m4" in error and "has no torch.float8_e3m4" in error
+    assert "Fix: averager.comm_dtype=int8" in error
+
+
 def test_validate_reports_every_broken_rule_at_once():
     with pytest.raises(ConfigError) as info:
         validate(make("train.steps=0", "averager.period=0"), world_size=2, gpus=0)

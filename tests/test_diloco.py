@@ -34,7 +34,7 @@ def syncs(rows: list[dict]) -> dict[int, dict]:
 
 
 @pytest.mark.slow
-def test_outer_sgd_at_lr_1_is_post_local_sgd_and_bf16_halves_the_bytes(tmp_path, cli_env):
+def test_outer_sgd_at_lr_1_is_post_local_sgd_and_narrow_dtypes_cut_the_bytes(tmp_path, cli_env):
     """DiLoCo averages Δ = θ_outer - θ_r and steps θ_outer - mean Δ; post-local
     SGD averages θ_r. On the same schedule the two are equal in exact arithmetic.
     The schedules differ by one step: `periodic` (torch's PeriodicModelAverager)
@@ -62,10 +62,16 @@ def test_outer_sgd_at_lr_1_is_post_local_sgd_and_bf16_halves_the_bytes(tmp_path,
     full_sync = {r["comm/averaging_bytes"] for r in syncs(periodic).values()}
     assert {r["comm/averaging_bytes"] for r in syncs(diloco).values()} == full_sync
 
+    whole = full_sync.pop()
     bf16 = train(
         tmp_path / "bf16", cli_env, *LOCAL, "train.steps=11", "averager=periodic", "averager.comm_dtype=bfloat16"
     )
-    assert [r["comm/averaging_bytes"] * 2 for r in syncs(bf16).values()] == [full_sync.pop()] * 3
+    assert [r["comm/averaging_bytes"] * 2 for r in syncs(bf16).values()] == [whole] * 3
+    # int8: a byte per value of whole blocks (1024 values per replica's chunk) plus an fp32 scale per block
+    int8 = train(tmp_path / "int8", cli_env, *LOCAL, "train.steps=11", "averager=periodic", "averager.comm_dtype=int8")
+    padded = -(-whole // 4 // 2048) * 2048
+    assert [r["comm/averaging_bytes"] for r in syncs(int8).values()] == [padded + padded // 1024 * 4] * 3
+    assert loss_by_step(tmp_path / "int8")[11] == pytest.approx(loss_by_step(tmp_path / "bf16")[11], rel=1e-3)
 
 
 @pytest.mark.slow

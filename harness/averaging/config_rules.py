@@ -14,7 +14,7 @@ from harness.optim import HARNESS_KEYS
 
 def periodic_errors(cfg: DictConfig, replicas: int) -> list[str]:
     """Why `cfg` (the whole config) cannot average over `replicas` replicas every `averager.period` steps."""
-    return _period_errors(cfg.averager) + _warmup_errors(cfg.averager)
+    return _period_errors(cfg.averager) + _warmup_errors(cfg.averager) + _comm_dtype_errors(cfg.averager)
 
 
 def hierarchical_errors(cfg: DictConfig, replicas: int) -> list[str]:
@@ -37,7 +37,7 @@ def hierarchical_errors(cfg: DictConfig, replicas: int) -> list[str]:
     if sizes and sizes[-1] != replicas:
         problems.append(f"the largest period must average all {replicas} replicas (last group size = {replicas})")
     errors = [f"{key} is not a valid hierarchy: {'; '.join(problems)}. Fix: e.g. {example}."] if problems else []
-    return errors + _warmup_errors(cfg)
+    return errors + _warmup_errors(cfg) + _comm_dtype_errors(cfg)
 
 
 def diloco_errors(cfg: DictConfig, replicas: int) -> list[str]:
@@ -106,4 +106,14 @@ def _warmup_errors(cfg: DictConfig) -> list[str]:
     return [
         f"averager.warmup_steps={cfg.warmup_steps} is out of range: it must be >= 0. "
         "Fix: averager.warmup_steps=0 starts local SGD at once."
+    ]
+
+
+def _comm_dtype_errors(cfg: DictConfig) -> list[str]:
+    name = str(cfg.get("comm_dtype", "float32"))
+    if hasattr(torch, name):
+        return []
+    return [
+        f"averager.comm_dtype={name}: this torch build ({torch.__version__}) has no torch.{name}, so it cannot "
+        "send in it. Fix: averager.comm_dtype=int8 (the same bytes), or a torch build with float8 types."
     ]
