@@ -353,6 +353,12 @@ class DiLoCoAveragerConf:
     comm_dtype: CommDType = CommDType.float32  # dtype the pseudo-gradients cross replicas in
     fragments: int = 1  # parts of the model synced at their own offsets inside the period
     outer_device: OuterDevice = OuterDevice.device  # where the outer parameters and their optimizer state live
+    # Streaming DiLoCo's overlap (torchft's fragment_sync_delay): a fragment's all-reduce starts at its
+    # sync step and its outer step is applied this many local steps later, the collective running meanwhile
+    sync_delay: int = 0
+    # weight of the locally trained parameters against the outer-updated ones when a sync is applied
+    # (torchft's fragment_update_alpha): 0 takes the outer parameters, as DiLoCo does
+    mix: float = 0.0
     outer_optimizer: Any = None  # a torch.optim class: the averager/outer_optimizer group
 
 

@@ -93,6 +93,8 @@ class Trainer:
                 if final := self.checkpointer.wait():  # the last async save is durable before we exit
                     self.sink.log(final, self.state.step)
                 self.checkpointer.close()
+                if self.job.cross_replica is not None:
+                    self.job.cross_replica.wait()
                 dist.barrier()  # no rank tears down while a peer still has collectives in flight
         finally:
             self.sink.close()

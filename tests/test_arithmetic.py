@@ -331,7 +331,14 @@ def test_mlp_flops_per_token_have_no_attention_term():
 def test_diloco_config_rules_report_every_broken_rule():
     cfg = OmegaConf.create(
         {
-            "averager": {"period": 4, "warmup_steps": -1, "fragments": 3, "outer_optimizer": None},
+            "averager": {
+                "period": 4,
+                "warmup_steps": -1,
+                "fragments": 3,
+                "outer_optimizer": None,
+                "sync_delay": 4,
+                "mix": 1.5,
+            },
             "model": {"_target_": "harness.models.TokenMLP", "n_layer": 2, "d_model": 8, "hidden": 8, "vocab_size": 8},
             "train": {"seq_len": 8},
         }
@@ -340,6 +347,8 @@ def test_diloco_config_rules_report_every_broken_rule():
     assert [e.split(" ")[0] for e in errors] == [
         "averager.warmup_steps=-1",
         "averager.outer_optimizer",
+        "averager.sync_delay=4",  # at least the 4 / 3 steps between fragment syncs
+        "averager.mix=1.5",
         "averager.fragments=3",
     ]
 

@@ -31,9 +31,10 @@ LAYOUTS = {
     # post_localSGD_hook with averaging at 9 and 12; 2 micro-batches per step (no_sync on the first)
     "ddp4": ["launcher.nproc=4", "sharding=ddp", "averager.warmup_steps=8", "train.grad_accum=2", *LOCAL_SGD],
     # 2 replicas x 2 shards (HSDP layout, per-replica copies of shards) of a Llama, with
-    # Streaming DiLoCo in bf16 (its 2 blocks are the fragments): fragment 0 syncs after
-    # steps 6 and 14, fragment 1 after 10, so at step 7 only fragment 0 has outer-optimizer
-    # state, 9 and 12 fall between syncs, 10 is one
+    # Streaming DiLoCo in bf16 (its 2 blocks are the fragments), overlapped by 2 steps and
+    # mixed: fragment 0's sync starts after step 6 and is applied after 8, fragment 1's
+    # after 10 and 12, so the checkpoints at 7 and 10 fall inside a delay window (their
+    # mean pseudo-gradient in flight), at 9 only fragment 0 has outer-optimizer state
     "2x2-diloco": [
         "launcher.nproc=4",
         "model=llama",
@@ -46,6 +47,8 @@ LAYOUTS = {
         "averager.fragments=2",
         "averager.warmup_steps=2",
         "averager.comm_dtype=bfloat16",
+        "averager.sync_delay=2",
+        "averager.mix=0.5",
         "model.activation_checkpointing=full",  # recomputed in backward: resume stays exact
     ],
 }
@@ -91,7 +94,9 @@ def test_resume_in_every_mode_is_bitwise_equal_to_an_uninterrupted_run(layout, t
     assert meta["data"]["samples"] == 9 * 4 * accum * int(LAYOUTS[layout][0].split("=")[1])
     # every replica's local progress is in the checkpoint, not just replica 0's
     assert (b / "checkpoints" / "step_9" / "replica_1.pt").exists()
-    if "diloco" in layout:  # the outer state is in the checkpoint, once
+    if "diloco" in layout:  # the outer state is in the checkpoint, once; so is a sync in flight
+        in_flight = json.loads((b / "checkpoints" / "step_10" / "meta.json").read_text())["cross_replica"]
+        assert in_flight["averager"]["in_flight"] == {"fragment": 1, "apply_step": 11}  # 0-based: after step 12
         parts = torch.load(b / "checkpoints" / "step_9" / "full.pt", weights_only=True)["parts"]["cross_replica"]
         assert set(parts["params"]) == set(saved_state(a / "checkpoints" / "step_12", tmp_path)["model"])
         assert meta["cross_replica"]["averager"]["outer_state"]  # fragments synced so far have optimizer state

@@ -99,10 +99,12 @@ def test_diloco_ends_where_torchft_diloco_ends(tmp_path, cli_env):
 
 
 @pytest.mark.slow
-def test_fragments_sync_once_per_period_each_and_split_the_bytes(tmp_path, cli_env):
-    """Period 8, 4 fragments, bf16: a fragment every 2 steps, in turn; each step's
-    bytes at most 1.5/4 of a whole sync, the four together exactly one (in bf16:
-    half of the float32 sync)."""
+def test_fragments_sync_once_per_period_each_split_the_bytes_and_overlap_a_step(tmp_path, cli_env):
+    """Period 8, 4 fragments, bf16, sync_delay 1: a fragment's all-reduce starts
+    every 2 steps, in turn (its bytes on that step's row), and its outer step is
+    applied a step later (the `averager/averaged` row); each start's bytes at most
+    1.5/4 of a whole sync, the four together exactly one (in bf16: half of the
+    float32 sync). The sync started at the last step is completed at exit."""
     rows = train(
         tmp_path / "run",
         cli_env,
@@ -113,25 +115,26 @@ def test_fragments_sync_once_per_period_each_and_split_the_bytes(tmp_path, cli_e
         "averager.period=8",
         "averager.fragments=4",
         "averager.comm_dtype=bfloat16",
+        "averager.sync_delay=1",
     )
+    # the first start after period / fragments = 2 local steps (steps 3 and 4), then one every 2 steps
+    started = {r["step"]: r["comm/averaging_bytes"] for r in rows if r["comm/averaging_bytes"]}
+    assert sorted(started) == [4, 6, 8, 10, 12, 14, 16, 18]
     synced = syncs(rows)
-    # the first sync after period / fragments = 2 local steps (steps 3 and 4), then one every 2 steps
     assert [(s, r["averager/fragment"]) for s, r in synced.items()] == [
-        (4, 0),
-        (6, 1),
-        (8, 2),
-        (10, 3),
-        (12, 0),
-        (14, 1),
-        (16, 2),
-        (18, 3),
+        (5, 0),
+        (7, 1),
+        (9, 2),
+        (11, 3),
+        (13, 0),
+        (15, 1),
+        (17, 2),
     ]
-    whole = sum(r["comm/averaging_bytes"] for s, r in synced.items() if s < 12)
+    whole = sum(nbytes for s, nbytes in started.items() if s < 12)
     params = sum(p.numel() for p in build_model(make("model=mlp", "model.n_layer=4").model, 16).parameters())
     assert whole == params * 2  # bf16: 2 bytes per parameter, each fragment once per period
-    assert max(r["comm/averaging_bytes"] for r in synced.values()) <= 1.5 / 4 * whole
+    assert max(started.values()) <= 1.5 / 4 * whole
     assert all(r["averager/pseudo_grad_norm"] > 0 and r["averager/outer_lr"] == 0.7 for r in synced.values())
-    assert all(r["comm/averaging_bytes"] == 0 for r in rows if r["step"] not in synced)
 
 
 @pytest.mark.slow

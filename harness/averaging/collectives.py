@@ -4,6 +4,7 @@ over a replicate (sub)group, in float32 or sent in a narrower dtype."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -52,22 +53,52 @@ def mean_over_group(flat: torch.Tensor, group: dist.ProcessGroup, comm_dtype: to
     float8_e4m3fn) the same path sends each block of `QUANT_BLOCK` values with
     its fp32 scale (`quantize`), both ways.
     """
+    mean = start_mean_over_group(flat, group, comm_dtype)
+    mean.wait()
+    return mean.nbytes
+
+
+class MeanInFlight:
+    """A `start_mean_over_group` under way, sending `nbytes`: `wait()` completes it
+    (`flat` then holds the mean); later calls return at once."""
+
+    def __init__(self, finish: Callable[[], None], nbytes: int):
+        self._finish, self.nbytes = finish, nbytes
+
+    def wait(self) -> None:
+        if self._finish is not None:
+            self._finish()
+            self._finish = None
+
+
+def start_mean_over_group(flat: torch.Tensor, group: dist.ProcessGroup, comm_dtype: torch.dtype) -> MeanInFlight:
+    """`mean_over_group`, started: its first collective is issued asynchronously (the
+    whole all-reduce in the tensor's own dtype; the all-to-all of a narrower
+    dtype, whose fp32 sum and all-gather run in `wait()`)."""
     n = group.size()
     if comm_dtype == flat.dtype:
-        dist.all_reduce(flat, group=group)
-        flat.div_(n)
-        return flat.numel() * flat.element_size()
+        work = dist.all_reduce(flat, group=group, async_op=True)
+
+        def finish() -> None:
+            work.wait()
+            flat.div_(n)
+
+        return MeanInFlight(finish, flat.numel() * flat.element_size())
     if comm_dtype in EIGHT_BIT_MAX:
-        return _mean_in_8_bits(flat, group, comm_dtype)
+        return _start_mean_in_8_bits(flat, group, comm_dtype)
     chunk = -(-flat.numel() // n)
     sent = torch.zeros(chunk * n, dtype=comm_dtype, device=flat.device)
     sent[: flat.numel()].copy_(flat)
     received = torch.empty_like(sent)
-    dist.all_to_all_single(received, sent, group=group)
-    mine = received.view(n, chunk).float().sum(0).div_(n).to(comm_dtype)
-    dist.all_gather_into_tensor(sent, mine, group=group)
-    flat.copy_(sent[: flat.numel()])
-    return flat.numel() * sent.element_size()
+    work = dist.all_to_all_single(received, sent, group=group, async_op=True)
+
+    def finish_narrow() -> None:
+        work.wait()
+        mine = received.view(n, chunk).float().sum(0).div_(n).to(comm_dtype)
+        dist.all_gather_into_tensor(sent, mine, group=group)
+        flat.copy_(sent[: flat.numel()])
+
+    return MeanInFlight(finish_narrow, flat.numel() * sent.element_size())
 
 
 QUANT_BLOCK = 1024  # values per fp32 scale in 8-bit communication: 0.4 % of the bytes go to scales
@@ -90,9 +121,9 @@ def dequantize(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return values.float() * scales[:, None]
 
 
-def _mean_in_8_bits(flat: torch.Tensor, group: dist.ProcessGroup, dtype: torch.dtype) -> int:
-    """`mean_over_group` with 8-bit values and per-block fp32 scales on the wire:
-    each rank's chunk of every member's blocks (all-to-all), dequantised and
+def _start_mean_in_8_bits(flat: torch.Tensor, group: dist.ProcessGroup, dtype: torch.dtype) -> MeanInFlight:
+    """`start_mean_over_group` with 8-bit values and per-block fp32 scales on the
+    wire: each rank's chunk of every member's blocks (all-to-all), dequantised and
     summed in fp32, then the quantised means all-gathered. The bytes sent are the
     values plus the scales of the padded buffer (whole blocks per rank)."""
     n = group.size()
@@ -102,14 +133,21 @@ def _mean_in_8_bits(flat: torch.Tensor, group: dist.ProcessGroup, dtype: torch.d
     values, scales = quantize(padded.view(-1, QUANT_BLOCK), dtype)
     # as bytes: gloo has no 8-bit float type, and all-to-all moves bytes all the same
     got_values, got_scales = torch.empty_like(values), torch.empty_like(scales)
-    dist.all_to_all_single(got_values.view(torch.uint8), values.view(torch.uint8), group=group)
-    dist.all_to_all_single(got_scales, scales, group=group)
-    mine = dequantize(got_values, got_scales).view(n, per_rank).sum(0).div_(n)
-    mine_values, mine_scales = quantize(mine.view(-1, QUANT_BLOCK), dtype)
-    dist.all_gather_into_tensor(values.view(torch.uint8), mine_values.view(torch.uint8), group=group)
-    dist.all_gather_into_tensor(scales, mine_scales, group=group)
-    flat.copy_(dequantize(values, scales).view(-1)[: flat.numel()])
-    return values.numel() * values.element_size() + scales.numel() * scales.element_size()
+    works = [
+        dist.all_to_all_single(got_values.view(torch.uint8), values.view(torch.uint8), group=group, async_op=True),
+        dist.all_to_all_single(got_scales, scales, group=group, async_op=True),
+    ]
+
+    def finish() -> None:
+        for work in works:
+            work.wait()
+        mine = dequantize(got_values, got_scales).view(n, per_rank).sum(0).div_(n)
+        mine_values, mine_scales = quantize(mine.view(-1, QUANT_BLOCK), dtype)
+        dist.all_gather_into_tensor(values.view(torch.uint8), mine_values.view(torch.uint8), group=group)
+        dist.all_gather_into_tensor(scales, mine_scales, group=group)
+        flat.copy_(dequantize(values, scales).view(-1)[: flat.numel()])
+
+    return MeanInFlight(finish, values.numel() * values.element_size() + scales.numel() * scales.element_size())
 
 
 def _flatten(params) -> list[torch.Tensor]:

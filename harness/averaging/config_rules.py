@@ -70,6 +70,7 @@ def diloco_errors(cfg: DictConfig, replicas: int) -> list[str]:
                 f"averager.outer_optimizer.lr={lr!r} must be a positive number. "
                 "Fix: averager.outer_optimizer.lr=0.7 (DiLoCo's)."
             )
+    errors += _overlap_errors(avg)
     f = avg.fragments
     if f < 1:
         errors.append(f"averager.fragments={f} is out of range: it must be >= 1. Fix: averager.fragments=1.")
@@ -89,6 +90,26 @@ def diloco_errors(cfg: DictConfig, replicas: int) -> list[str]:
                 f"averager.fragments={f} exceeds the model's {blocks} blocks; a fragment is whole blocks. "
                 f"Fix: averager.fragments={max(d for d in range(1, max(blocks, 1) + 1) if avg.period % d == 0)}."
             )
+    return errors
+
+
+def _overlap_errors(avg: DictConfig) -> list[str]:
+    """`sync_delay` fits between two fragment syncs (one sync in flight at a time); `mix` is a weight."""
+    errors = []
+    interval = avg.period // avg.fragments if avg.fragments >= 1 and avg.period >= 1 else None
+    if avg.sync_delay < 0 or (interval is not None and avg.sync_delay >= interval):
+        most = max(interval - 1, 0) if interval is not None else 0
+        errors.append(
+            f"averager.sync_delay={avg.sync_delay} is out of range: a sync must be applied before the next "
+            f"fragment's starts, {interval} local steps later (averager.period={avg.period} / "
+            f"averager.fragments={avg.fragments}). Fix: averager.sync_delay between 0 and {most}, or a longer "
+            "period per fragment."
+        )
+    if not 0.0 <= avg.mix <= 1.0:
+        errors.append(
+            f"averager.mix={avg.mix} is out of range: it weighs the locally trained parameters against the "
+            "outer-updated ones. Fix: averager.mix in [0, 1] (0: DiLoCo's, the outer parameters)."
+        )
     return errors
 
 

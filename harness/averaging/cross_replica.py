@@ -63,6 +63,11 @@ class CrossReplica:
     def step_metrics(self) -> dict:
         return self.traffic.step_metrics(self.averager.step if self.averager is not None else None)
 
+    def wait(self) -> None:
+        """Complete collectives still in flight (a delayed DiLoCo sync), before the process group goes."""
+        if self.averager is not None and hasattr(self.averager, "wait"):
+            self.averager.wait()
+
     @property
     def _averager_part(self):
         return self.averager.checkpoint_part if self.averager is not None else None

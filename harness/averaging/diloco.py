@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -39,7 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 from harness import metrics
 from harness.averaging import config_rules, schedule
 from harness.averaging.averagers import ReplicaAverager
-from harness.averaging.collectives import buckets, mean_over_group
+from harness.averaging.collectives import MeanInFlight, buckets, mean_over_group, start_mean_over_group
 from harness.averaging.traffic import CrossReplicaTraffic
 from harness.dist import local_view, synchronize
 from harness.optim import build_optimizer
@@ -64,10 +65,13 @@ class DiLoCoAverager(ReplicaAverager):
         comm_dtype: str = "float32",
         fragments: int = 1,
         outer_device: str = "device",
+        sync_delay: int = 0,
+        mix: float = 0.0,
     ):
         super().__init__(period, warmup_steps, mesh, traffic, comm_dtype)
         module = model.module if isinstance(model, DistributedDataParallel) else model
         self.outer = OuterState(module, outer_optimizer, outer_device, fragments, self.process_group)
+        self.sync_delay, self.mix = sync_delay, mix
 
     @property
     def checkpoint_part(self) -> OuterState:
@@ -79,35 +83,77 @@ class DiLoCoAverager(ReplicaAverager):
 
     def average_parameters(self, params) -> None:
         """After the local step (`params` are the model's own, which the outer
-        state already holds by name, so the argument is not needed)."""
+        state already holds by name, so the argument is not needed): apply the
+        sync whose delay ends here, start the one that falls here (applied at
+        once without `sync_delay`)."""
+        in_flight = self.outer.in_flight
+        if in_flight is not None and in_flight.apply_step == self.step:
+            self.finish_sync()
         fragment = self.fragment_due()
         if fragment is not None:
-            self.sync(fragment)
+            self.start_sync(fragment)
+            if self.sync_delay == 0:
+                self.finish_sync()
         elif schedule.last_synchronous(self.step, self.warmup_steps):  # local training starts after this step
             self.outer.set_from_params(range(len(self.outer.params)))
         self.step += 1
 
-    def sync(self, fragment: int) -> None:
-        indices = self.outer.fragments[fragment]
-        local = [local_view(self.outer.params[i]) for i in indices]
-        device = local[0].device
+    def start_sync(self, fragment: int) -> None:
+        """Form the fragment's pseudo-gradients and start averaging them across replicas
+        (their bytes count on this step's row)."""
+        start = time.perf_counter()
+        self.outer.start_sync(fragment, self.step + self.sync_delay, self.process_group, self.comm_dtype)
+        self.outer.in_flight.blocked_s = time.perf_counter() - start
+        self.traffic.averaging_bytes = sum(c.nbytes for c in self.outer.in_flight.collectives)
+
+    def finish_sync(self) -> None:
+        """Wait for the fragment's mean pseudo-gradient, take the outer step, set the
+        fragment's parameters, and report the sync on this step's row."""
+        in_flight = self.outer.in_flight
+        device = self.outer.tensors[0].device
         synchronize(device)
         start = time.perf_counter()
-        nbytes, sums = outer_step(
-            local, [self.outer.tensors[i] for i in indices], self.outer.optimizer, self.process_group, self.comm_dtype
-        )
+        sums = self.outer.finish_sync(self.mix)
         synchronize(device)
-        elapsed = time.perf_counter() - start
         dist.all_reduce(sums)  # over every rank: replicas repeat the mean, so divide those sums by the replica count
         replicas = self.process_group.size()
-        self.traffic.averaging_bytes = nbytes
         self.traffic.averaged = {
-            metrics.AVERAGER_DRIFT: (sums[0] / sums[1].clamp_min(1e-30)).sqrt().item(),
-            metrics.AVERAGER_TIME: elapsed,
+            metrics.AVERAGER_TIME: in_flight.blocked_s + time.perf_counter() - start,
             metrics.AVERAGER_PSEUDO_GRAD_NORM: (sums[2] / replicas).sqrt().item(),
             metrics.AVERAGER_OUTER_LR: self.outer.optimizer.param_groups[0]["lr"],
-            metrics.AVERAGER_FRAGMENT: fragment,
+            metrics.AVERAGER_FRAGMENT: in_flight.fragment,
         }
+        if sums[0] >= 0:  # negative: the pseudo-gradients of a resumed window are gone, so is the drift
+            self.traffic.averaged[metrics.AVERAGER_DRIFT] = (sums[0] / sums[1].clamp_min(1e-30)).sqrt().item()
+
+    def wait(self) -> None:
+        """Complete a sync's collectives still in flight (before the process group goes)."""
+        if self.outer.in_flight is not None:
+            self.outer.in_flight.wait()
+
+
+@dataclass
+class SyncInFlight:
+    """A fragment's sync between its start and the step its outer step is applied
+    after (`sync_delay` later): the fragment's pseudo-gradients `deltas` and their
+    mean over the replicas `means` (per parameter, local shards; the mean is
+    complete once `wait()` has returned)."""
+
+    fragment: int
+    apply_step: int  # the averager step after whose local step the outer step is applied
+    indices: list[int]  # the fragment's parameters
+    deltas: list[torch.Tensor] | None  # None after a resume: only the mean was saved
+    means: list[torch.Tensor]
+    collectives: list[MeanInFlight]  # empty after a resume: the mean was saved complete
+    blocked_s: float = 0.0  # time the start held up training
+
+    def wait(self) -> None:
+        if self.collectives:
+            for collective in self.collectives:
+                collective.wait()
+            self.collectives = []
+            # storage of their own, not views of the flat buckets: a checkpoint stages them by storage
+            self.means = [m.clone() for m in self.means]
 
 
 @torch.no_grad()
@@ -125,24 +171,64 @@ def outer_step(
 
     Returns the bytes sent and this rank's float64 sums [Σ‖θ_local - mean θ_local‖²,
     Σ‖mean θ_local‖², Σ‖mean Δ‖²], to be summed over ranks for the metrics."""
-    device = local[0].device
-    nbytes = 0
-    sums = torch.zeros(3, dtype=torch.float64, device=device)
+    deltas, means, collectives = start_pseudo_gradient_mean(local, outer, group, comm_dtype)
+    for collective in collectives:
+        collective.wait()
+    return sum(c.nbytes for c in collectives), apply_outer_step(local, outer, outer_optimizer, deltas, means, 0.0)
+
+
+@torch.no_grad()
+def start_pseudo_gradient_mean(
+    local: list[torch.Tensor], outer: list[torch.Tensor], group: dist.ProcessGroup, comm_dtype: torch.dtype
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[MeanInFlight]]:
+    """`Δ = outer - local` per tensor, and its mean over `group` started, one bucket
+    per collective. Returns (Δ, mean, collectives): per-tensor views of the flat
+    buckets; the means are complete once every collective's `wait()` returned."""
+    deltas, means, collectives = [], [], []
     for bucket in buckets(local):
-        flat_local = torch.cat([local[i].reshape(-1) for i in bucket])
-        flat_outer = torch.cat([outer[i].reshape(-1) for i in bucket]).to(device)
-        delta = flat_outer - flat_local
-        mean = delta.clone()
-        nbytes += mean_over_group(mean, group, comm_dtype)
-        sums[0] += (delta - mean).square().sum()  # = ||θ_local - mean θ_local||^2
-        sums[1] += (flat_outer - mean).square().sum()  # = ||mean θ_local||^2
-        sums[2] += mean.square().sum()
-        for i, g in zip(bucket, mean.split([local[i].numel() for i in bucket])):
-            outer[i].grad = g.view_as(outer[i]).to(outer[i].device)
+        flat_delta = torch.cat([outer[i].reshape(-1) for i in bucket]).to(local[0].device)
+        flat_delta -= torch.cat([local[i].reshape(-1) for i in bucket])
+        flat_mean = flat_delta.clone()
+        collectives.append(start_mean_over_group(flat_mean, group, comm_dtype))
+        sizes = [local[i].numel() for i in bucket]
+        deltas += [d.view_as(local[i]) for i, d in zip(bucket, flat_delta.split(sizes))]
+        means += [m.view_as(local[i]) for i, m in zip(bucket, flat_mean.split(sizes))]
+    return deltas, means, collectives
+
+
+@torch.no_grad()
+def apply_outer_step(
+    local: list[torch.Tensor],
+    outer: list[torch.Tensor],
+    outer_optimizer: torch.optim.Optimizer,
+    deltas: list[torch.Tensor] | None,
+    means: list[torch.Tensor],
+    mix: float,
+) -> torch.Tensor:
+    """Step the outer optimizer with the mean pseudo-gradients `means` as gradients,
+    then set `local` to the new `outer`, or with `mix` > 0 to `outer + mix·(local
+    - outer)` (torchft's fragment_update_alpha). Returns the metrics' float64 sums
+    (see `outer_step`); the first is -1 without `deltas`."""
+    sums = torch.zeros(3, dtype=torch.float64, device=local[0].device)
+    for o, m in zip(outer, means):
+        sums[1] += (o.to(m.device) - m).square().sum()  # = ||mean θ_local||^2
+        sums[2] += m.square().sum()
+    if deltas is None:
+        sums[0] = -1.0
+    else:
+        for d, m in zip(deltas, means):
+            sums[0] += (d - m).square().sum()  # = ||θ_local - mean θ_local||^2
+    for o, m in zip(outer, means):
+        o.grad = m.to(o.device)
     outer_optimizer.step()
     outer_optimizer.zero_grad(set_to_none=True)
-    torch._foreach_copy_(local, outer)
-    return nbytes, sums
+    if mix == 0.0:
+        torch._foreach_copy_(local, outer)
+    else:
+        mixed = [o.to(t.device, copy=True) for o, t in zip(outer, local)]
+        torch._foreach_lerp_(mixed, local, mix)
+        torch._foreach_copy_(local, mixed)
+    return sums
 
 
 class OuterState:
@@ -166,18 +252,39 @@ class OuterState:
         self.tensors = [local_view(p).detach().to(self.device, copy=True) for p in self.params]
         self.optimizer = build_optimizer(optimizer, self.tensors, self.device)
         self.fragments, self.group = plan_fragments(module, fragments), group
+        self.in_flight: SyncInFlight | None = None
+
+    def start_sync(self, fragment: int, apply_step: int, group: dist.ProcessGroup, comm_dtype: torch.dtype) -> None:
+        indices = self.fragments[fragment]
+        local = [local_view(self.params[i]) for i in indices]
+        deltas, means, collectives = start_pseudo_gradient_mean(
+            local, [self.tensors[i] for i in indices], group, comm_dtype
+        )
+        self.in_flight = SyncInFlight(fragment, apply_step, indices, deltas, means, collectives)
+
+    def finish_sync(self, mix: float) -> torch.Tensor:
+        """Apply the sync in flight; returns the metric sums (`apply_outer_step`)."""
+        sync, self.in_flight = self.in_flight, None
+        sync.wait()
+        local = [local_view(self.params[i]) for i in sync.indices]
+        outer = [self.tensors[i] for i in sync.indices]
+        return apply_outer_step(local, outer, self.optimizer, sync.deltas, sync.means, mix)
 
     @torch.no_grad()
     def set_from_params(self, indices) -> None:
         torch._foreach_copy_([self.tensors[i] for i in indices], [local_view(self.params[i]) for i in indices])
 
     def state_dict(self) -> dict:
-        """Small state, for meta.json: the fragment plan, and which outer
-        parameters have optimizer state yet (a fragment gets it at its first sync)."""
-        return {
+        """Small state, for meta.json: the fragment plan, which outer parameters
+        have optimizer state yet (a fragment gets it at its first sync), and the
+        sync in its delay window, if any (its mean is among the tensors)."""
+        state = {
             "fragments": [[self.names[i] for i in fragment] for fragment in self.fragments],
             "outer_state": [self.names[i] for i, t in enumerate(self.tensors) if self.optimizer.state.get(t)],
         }
+        if self.in_flight is not None:
+            state["in_flight"] = {"fragment": self.in_flight.fragment, "apply_step": self.in_flight.apply_step}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         saved = state.get("fragments")
@@ -189,21 +296,33 @@ class OuterState:
             else:
                 log.warning("the checkpoint's %d fragments differ from this run's: the new plan applies", len(saved))
         self._create_state([self.names.index(n) for n in state.get("outer_state", [])])
+        self.in_flight = None
+        if "in_flight" in state:  # a buffer per parameter for the saved mean, which the tensor load fills
+            fragment, indices = state["in_flight"]["fragment"], self.fragments[state["in_flight"]["fragment"]]
+            means = [torch.zeros_like(local_view(self.params[i])) for i in indices]
+            self.in_flight = SyncInFlight(fragment, state["in_flight"]["apply_step"], indices, None, means, [])
 
     def tensor_state_dict(self) -> dict:
         """θ_outer and the outer optimizer's state by parameter name, in the
         parameters' layout (DTensors under FSDP2), sharing storage with them."""
         optim_state = {}
+        if self.in_flight is not None:
+            self.in_flight.wait()  # a checkpoint inside a delay window holds the completed mean
         for name, p, t in zip(self.names, self.params, self.tensors):
             state = self.optimizer.state.get(t)
             if state:
                 optim_state[name] = {
                     k: _in_layout(v, p) if torch.is_tensor(v) and v.shape == t.shape else v for k, v in state.items()
                 }
-        return {
+        state = {
             "params": {name: _in_layout(t.detach(), p) for name, p, t in zip(self.names, self.params, self.tensors)},
             "optim_state": optim_state,
         }
+        if self.in_flight is not None:
+            names = [self.names[i] for i in self.in_flight.indices]
+            params = [self.params[i] for i in self.in_flight.indices]
+            state["in_flight_mean"] = {n: _in_layout(m, p) for n, p, m in zip(names, params, self.in_flight.means)}
+        return state
 
     @torch.no_grad()
     def load_tensor_state_dict(self, state: dict | None) -> None:
@@ -226,6 +345,9 @@ class OuterState:
                     ],
                 )
             return
+        if self.in_flight is not None:
+            for i, mean in zip(self.in_flight.indices, self.in_flight.means):
+                mean.copy_(local_view(state["in_flight_mean"][self.names[i]]))
         for name, t in zip(self.names, self.tensors):
             t.copy_(local_view(state["params"][name]))
             own = self.optimizer.state[t]
