@@ -30,16 +30,27 @@ the namespace's loopback, unshaped), replicas talk across the link. Needs root,
 (and with them the veth pair and its qdiscs) are deleted on exit, failure,
 Ctrl-C or SIGTERM.
 
+Part `overlap`: Streaming DiLoCo's overlapped syncs (issue 21) on the shaped
+link at `--overlap-rate` (over loopback with `--overlap-on loopback`, or where
+the link cannot be built): 2 replicas x 2 shards, `averager=diloco` with
+`--overlap-period` and `--fragments`, synced at once (`sync_delay=0`) and with
+the all-reduce under `--sync-delay` steps of computation, against a run with no
+cross-replica communication at all (DiLoCo whose period is longer than the run).
+Reported: mean s/step over the window (the throughput figure, syncs amortised)
+and its ratio to the no-communication run (target <= 1.1x with a delay).
+
 The train.py / torchrun command is printed once per part, and every ip/tc
 command as it runs, so any figure can be reproduced by hand.
 
-    python bench/averaging.py [--part loopback|link|all] [--steps 20] [--warmup 4]
+    python bench/averaging.py [--part loopback|link|overlap|all] [--steps 20] [--warmup 4]
                               [--periods 1,4,16] [--repeats 3] [--link-repeats 1]
                               [--rates 1gbit,100mbit] [--layouts hybrid,no_shard]
-    python bench/averaging.py --smoke   # part loopback, 2x2 hybrid, sync / sync, hook / period 1, 3 steps
+                              [--overlap-rate 100mbit] [--overlap-period 32] [--fragments 4] [--sync-delay 6]
+                              [--overlap-steps 68] [--overlap-on link|loopback]
+    python bench/averaging.py --smoke   # parts loopback and overlap on plain loopback, tiny, a few steps
 
-`--smoke` runs part `loopback` only, on plain loopback: the shaped link is
-what part `link` measures, and each of its runs costs two torchruns in
+`--smoke` runs parts `loopback` and `overlap` on plain loopback: the shaped link
+is what the other runs measure, and each of its runs costs two torchruns in
 namespaces, too slow for a smoke run (that part's namespaces and shaping do
 work on the 2-core machine as root).
 """
@@ -75,8 +86,9 @@ MODEL = [
 LAYOUTS = {"2x2 hybrid": ["sharding=hybrid_shard", "sharding.replicate=2"], "4x1 no_shard": ["sharding=no_shard"]}
 SMOKE_HELP = "the smallest run through every path of this bench, on CPU, in seconds (tests/test_bench.py)"
 SMOKE = (
-    "--part loopback --layouts hybrid --periods 1 --steps 3 --warmup 2 --repeats 1 "
-    "--model model.d_model=32,model.hidden=64,model.n_layer=1"
+    "--part smoke --layouts hybrid --periods 1 --steps 3 --warmup 2 --repeats 1 "
+    "--overlap-on loopback --overlap-period 4 --fragments 2 --sync-delay 1 --overlap-steps 6 "
+    "--model model.d_model=32,model.hidden=64,model.n_layer=2"
 ).split()
 LINK_LAYOUT = "2x2 hybrid"
 RUN_TIMEOUT_S = 600  # one training run, both nodes together
@@ -86,6 +98,7 @@ SUBNET = "10.77.0"  # used only inside the namespaces this bench creates
 RDZV_PORT = 29400  # + run number, so no run meets the previous one's TIME_WAIT sockets
 TBF_LATENCY = "50ms"
 TBF_BURST_S = 0.01  # burst = 10 ms at the rate
+OVERLAP_TARGET = 1.1  # issue 21: DiLoCo with fragments and a sync delay, against no communication
 
 
 @dataclass(frozen=True)
@@ -541,12 +554,97 @@ def run_link(link: Link, args: argparse.Namespace, workdir: Path) -> None:
         print_results(f"link at {rate}, {LINK_LAYOUT}", [rows[c] for c in configs if c[0] == rate], window)
 
 
+# ------------------------------------------------------------------ part 3: overlapped DiLoCo syncs
+
+
+def overlap_configs(args: argparse.Namespace) -> list[Averager]:
+    diloco = (
+        "averager=diloco",
+        f"averager.warmup_steps={args.warmup}",
+        f"averager.fragments={args.fragments}",
+        f"averager.period={args.overlap_period}",
+    )
+    never = ("averager=diloco", f"averager.warmup_steps={args.warmup}", f"averager.period={10**6}")
+    delays = sorted({0, args.sync_delay})
+    return [
+        Averager("no comm", never, None),
+        *(Averager(f"delay {d}", (*diloco, f"averager.sync_delay={d}"), args.overlap_period) for d in delays),
+    ]
+
+
+def part_overlap(args: argparse.Namespace, workdir: Path) -> None:
+    configs = [("overlap", a) for a in overlap_configs(args)]
+    on = args.overlap_on
+    if on == "link" and (reason := link_unavailable()):
+        print(f"\n== part 3: no shaped link ({reason}): over loopback")
+        on = "loopback"
+    print(
+        f"\n== part 3: DiLoCo syncs overlapped, {LINK_LAYOUT}, "
+        + (f"replicas across a {args.overlap_rate} link" if on == "link" else "loopback")
+        + f", period {args.overlap_period}, {args.fragments} fragments, {args.link_repeats} repeat(s)"
+    )
+    steps = args.overlap_steps
+
+    def train_args(averager: Averager, run_dir: Path) -> list[str]:
+        return [*LAYOUTS[LINK_LAYOUT], *averager.overrides, *train_overrides(steps, run_dir, args.model)]
+
+    def run_over_loopback(config: tuple, run_dir: Path, n: int) -> RunResult:
+        run_dir.mkdir(parents=True)
+        log, began = run_dir / "launcher.out", time.monotonic()
+        cmd = [sys.executable, "train.py", "launcher.nproc=4", *train_args(config[1], run_dir)]
+        wait_all([start(cmd, log)], [log], RUN_TIMEOUT_S)
+        return summarize(run_dir, args.warmup, steps, time.monotonic() - began)
+
+    if on == "loopback":
+        rows = run_schedule(configs, args.link_repeats, run_over_loopback, workdir / "overlap")
+    else:
+        with Link() as link:
+            link.open()
+            link.shape(args.overlap_rate)
+
+            def run_over_link(config: tuple, run_dir: Path, n: int) -> RunResult:
+                run_dir.mkdir(parents=True)
+                logs = [run_dir / f"node{node}.out" for node in (0, 1)]
+                began = time.monotonic()
+                procs = [start(link.node_cmd(node, train_args(config[1], run_dir), n), logs[node]) for node in (0, 1)]
+                wait_all(procs, logs, RUN_TIMEOUT_S)
+                return summarize(run_dir, args.warmup, steps, time.monotonic() - began)
+
+            print_load()
+            rows = run_schedule(configs, args.link_repeats, run_over_link, workdir / "overlap")
+            print_load()
+    quiet = rows[configs[0]]
+    window = steps - args.warmup
+    table = [
+        [
+            r.averager.label,
+            f"{r.mean_s:.3f}",
+            f"{r.mean_s / quiet.mean_s:.2f}x",
+            f"{r.median_s:.3f}",
+            "-" if r.averaging_s is None else f"{r.averaging_s:.3f}",
+            "/".join(map(str, sorted(r.n_averaged))),
+            "/".join(f"{b / window:,.0f}" for b in sorted(r.window_bytes)),
+        ]
+        for r in (rows[c] for c in configs)
+    ]
+    print(f"\noverlapped syncs (medians over {len(quiet.runs)} run(s); window = {window} post-warm-up steps)")
+    header = ["averager", "mean s/step", "vs no comm", "median s/step", "blocked s/sync", "syncs", "B/step"]
+    print_table(header, table)
+    delayed = rows[configs[-1]]
+    if delayed.averager.label != "delay 0":
+        ratio = delayed.mean_s / quiet.mean_s
+        verdict = "meets" if ratio <= OVERLAP_TARGET else "misses"
+        label = delayed.averager.label
+        print(f"  {label}: {ratio:.2f}x the no-communication step time ({verdict} the target <= {OVERLAP_TARGET}x)")
+
+
 # ------------------------------------------------------------------ main
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", choices=("loopback", "link", "all"), default="all")
+    # smoke: loopback and overlap, both over loopback
+    parser.add_argument("--part", choices=("loopback", "link", "overlap", "all", "smoke"), default="all")
     parser.add_argument("--steps", type=int, default=20, help="steps per run, warm-up included")
     parser.add_argument("--warmup", type=int, default=4, help="averager.warmup_steps; the window starts after it")
     parser.add_argument("--periods", type=lambda s: [int(p) for p in s.split(",")], default=[1, 4, 16])
@@ -562,6 +660,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--model", type=lambda s: s.split(","), default=[], help="overrides of the model's shape, after its defaults"
     )
+    parser.add_argument("--overlap-rate", default="100mbit", help="part overlap: the link's rate")
+    parser.add_argument("--overlap-period", type=int, default=32, help="part overlap: averager.period")
+    parser.add_argument("--fragments", type=int, default=4, help="part overlap: averager.fragments")
+    parser.add_argument("--sync-delay", type=int, default=6, help="part overlap: the delayed run's sync_delay")
+    parser.add_argument("--overlap-steps", type=int, default=68, help="part overlap: steps per run, warm-up included")
+    parser.add_argument("--overlap-on", choices=("link", "loopback"), default="link")
     parser.add_argument("--smoke", action="store_true", help=f"{SMOKE_HELP}: {' '.join(SMOKE)}")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -592,10 +696,12 @@ def main() -> None:
     print(LEGEND)
     began = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bench-averaging-") as tmp:
-        if args.part in ("loopback", "all"):
+        if args.part in ("loopback", "all", "smoke"):
             part_loopback(args, Path(tmp))
         if args.part in ("link", "all"):
             part_link(args, Path(tmp))
+        if args.part in ("overlap", "all", "smoke"):
+            part_overlap(args, Path(tmp))
     print(f"\ntotal {time.monotonic() - began:.0f} s")
     print("bench/averaging.py: done")
 
