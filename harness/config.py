@@ -232,6 +232,21 @@ class TextDataConf:
     cache_dir: str = "~/.cache/harness"
 
 
+class TokenFormat(Choice):
+    harness = "harness"  # python -m harness.prepare's shards and index.json
+    nanogpt = "nanogpt"  # nanoGPT's train.bin / val.bin (uint16, no index)
+
+
+@dataclass
+class TokensDataConf:
+    """Pretokenized shards (harness/data/tokens.py, docs/data.md): one dataset, or a weighted mixture."""
+
+    _target_: str = "harness.data.TokenShards"
+    path: Optional[str] = None  # a `python -m harness.prepare` output directory
+    sources: Optional[List[Any]] = None  # instead of path, a mixture: [{path: <dir>, weight: 0.7}, ...]
+    format: TokenFormat = TokenFormat.harness
+
+
 # --- optimizer ------------------------------------------------------------------
 
 
@@ -442,7 +457,7 @@ class Config:
 
 SCHEMAS = {
     "model": {"gpt": GPTConf, "mlp": MLPConf, "llama": LlamaConf, "hf": HFConf},
-    "data": {"synthetic": SyntheticDataConf, "text": TextDataConf},
+    "data": {"synthetic": SyntheticDataConf, "text": TextDataConf, "tokens": TokensDataConf},
     "optimizer": {"sgd": SGDConf, "adam": AdamConf, "adamw": AdamWConf},
     "lr_scheduler": {
         "constant": ConstantLRConf,
@@ -462,9 +477,26 @@ SCHEMAS = {
 }
 
 
+@dataclass
+class PrepareConf:
+    """`python -m harness.prepare` (conf/prepare.yaml, docs/data.md): local raw text to token shards."""
+
+    input: List[str] = MISSING  # files or globs: .jsonl/.json and .parquet records, any other file plain text
+    out: str = MISSING  # the dataset directory (data.path of data=tokens)
+    text_field: str = "text"  # the field holding the text in .jsonl/.json/.parquet records
+    tokenizer: Optional[str] = None  # a tokenizer.json (Hugging Face tokenizers); null: train a byte-level BPE
+    vocab_size: int = 8192  # of the BPE trained when tokenizer is null
+    eot_token: str = "<|endoftext|>"  # separates documents; the trained BPE has it as a special token
+    eval_fraction: float = 0.01  # the share of documents held out (drawn by seed), never trained on
+    docs_per_shard: int = 4096
+    num_proc: Optional[int] = None  # tokenizer threads; null = every core
+    seed: int = 0
+
+
 def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="schema_config", node=Config)
+    cs.store(name="schema_prepare", node=PrepareConf)
     for group, schemas in SCHEMAS.items():
         for name, schema in schemas.items():
             cs.store(

@@ -181,6 +181,7 @@ class Trainer:
             metrics.TRAIN_STEP_TIME: step_time,
             metrics.TRAIN_TOKENS_PER_S: tokens_per_s,
             **memory_metrics(self.env.device),
+            **self.job.data.tokens_read(),
         }
         if grad_norm is not None:
             row[metrics.TRAIN_GRAD_NORM] = grad_norm.item()

@@ -24,6 +24,10 @@ class Metric(str):
         metric.unit, metric.when, metric.meaning, metric.summary = unit, when, meaning, summary
         return metric
 
+    def named(self, name: str) -> str:
+        """One member of a family metric (a name ending in `*`): the `*` replaced by `name`."""
+        return self.replace("*", name)
+
     @property
     def section(self) -> str:
         """The dashboard section: the part before the slash."""
@@ -56,6 +60,12 @@ TRAIN_MFU = Metric(
 )
 TRAIN_SKIPPED_NONFINITE = Metric(
     "train/skipped_nonfinite", "", "a step dropped under `train.nonfinite=skip`", "1: this step's update was skipped"
+)
+DATA_SOURCE_TOKENS = Metric(
+    "data/tokens/*",
+    "tokens",
+    LOG + ", with `data.sources`",
+    "tokens read from each source of a mixture so far, all ranks (`*`: the source's directory name)",
 )
 EVAL_LOSS = Metric(
     "eval/loss",
@@ -125,8 +135,10 @@ METRICS: dict[str, Metric] = {m: m for m in list(globals().values()) if isinstan
 
 
 def check_declared(row: dict) -> None:
-    """Refuse a row with a name no `Metric` declares: every name is declared here."""
-    unknown = [key for key in row if key not in METRICS]
+    """Refuse a row with a name no `Metric` declares: every name is declared here
+    (a family, `section/prefix*`, declares every name it matches)."""
+    families = [m[:-1] for m in METRICS if m.endswith("*")]
+    unknown = [key for key in row if key not in METRICS and not any(key.startswith(f) for f in families)]
     if unknown:
         raise KeyError(f"metrics {unknown} are not declared in harness.metrics; declare each as a Metric there")
 

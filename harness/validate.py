@@ -171,7 +171,7 @@ def _check_model_and_data(cfg: DictConfig) -> list[str]:
         cfg.model, "model", torch.nn.Module, "torch.nn.Module", ("seq_len",), "gpt|mlp|llama|hf", MODEL_HARNESS_KEYS
     )
     data_cls, data_errors = target_class(
-        cfg.data, "data", object, "data source", ("vocab_size", "seed"), "synthetic|text"
+        cfg.data, "data", object, "data source", ("vocab_size", "seed"), "synthetic|text|tokens"
     )
     errors += model_errors + data_errors
     if model_cls is not None:

@@ -1,25 +1,5 @@
-"""Token streams: synthetic (default, no files) and byte-level text from local files.
-
-Every rank reads a disjoint, deterministic slice of one global sequence of
-samples: with `n` samples consumed by all ranks so far, rank r of w takes
-samples n + r*B ... n + r*B + B-1, and a step consumes w*B (B = the rank's
-samples per step: `train.batch_size` × `train.grad_accum`). The union over
-ranks of one step is exactly what a single process with batch w*B would read.
-The position is that one global count (`TokenStream.samples`), saved by the
-checkpoint code through `state_dict()`; because it does not depend on the
-world size, a run resumed on another layout continues with the next unread
-sample - none skipped, none read twice.
-
-A data source is a class named by `data._target_`, built from its config keys
-plus `vocab_size` and `seed`, with `samples(first, count, length)` and, for
-`train.eval_every`, `eval_samples(first, count, length)` from data it never
-trains on (text: the corpus's last `data.eval_fraction` of bytes). Its
-constructor refuses bad arguments with a ValueError naming the key and the fix
-(`validate` builds it to ask, so it must be cheap); a source that reads files
-checks them in `preflight_errors()` and loads them in `open()`, which every
-rank calls together; one with held-out data it cannot always provide says so in
-`eval_errors(train.eval_every)`.
-"""
+"""`data=text`: byte-level text from local files (the Python standard library's
+sources by default), cached once per machine."""
 
 from __future__ import annotations
 
@@ -33,43 +13,10 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from hydra.utils import instantiate
-from omegaconf import DictConfig
 
 from harness.rng import seeded_generator
 
 log = logging.getLogger(__name__)
-
-_LANGUAGE_SEED = 1234  # fixes the synthetic "grammar", so runs with other seeds learn the same task
-_EVAL_STREAM = 2**40  # synthetic eval samples are numbered from here: never drawn in training
-
-
-class SyntheticTokens:
-    """A noisy deterministic walk: the next token is perm[token] with prob 1-noise,
-    else uniform. Loss can fall from ln(V) towards the noise entropy."""
-
-    def __init__(self, noise: float, vocab_size: int, seed: int):
-        if not 0.0 <= noise < 1.0:
-            raise ValueError(f"data.noise={noise} must be in [0, 1). Fix: data.noise=0.1.")
-        self.vocab_size, self.noise, self.seed = vocab_size, noise, seed
-        self.next_token = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(_LANGUAGE_SEED))
-
-    def eval_samples(self, first: int, count: int, length: int) -> torch.Tensor:
-        return self.samples(_EVAL_STREAM + first, count, length)
-
-    def samples(self, first: int, count: int, length: int) -> torch.Tensor:
-        starts, breaks, random_tokens = [], [], []
-        for index in range(first, first + count):
-            g = seeded_generator(self.seed, index)
-            starts.append(torch.randint(self.vocab_size, (1,), generator=g))
-            breaks.append(torch.rand(length, generator=g) < self.noise)
-            random_tokens.append(torch.randint(self.vocab_size, (length,), generator=g))
-        breaks, random_tokens = torch.stack(breaks), torch.stack(random_tokens)
-        out = torch.empty(count, length, dtype=torch.long)
-        out[:, 0] = torch.cat(starts)
-        for t in range(1, length):
-            out[:, t] = torch.where(breaks[:, t], random_tokens[:, t], self.next_token[out[:, t - 1]])
-        return out
 
 
 class TextTokens:
@@ -190,70 +137,6 @@ def _windows(tokens: np.ndarray, length: int, part: str, more: str) -> int:
             f"Fix: lower train.seq_len, or {more}."
         )
     return windows
-
-
-class TokenStream:
-    """Batches of (inputs, targets) for one rank; `samples` = samples consumed by all ranks.
-
-    A step reads `micro_batches` micro-batches of `batch_size` sequences per
-    rank, consecutive samples of the rank's one slice of the step, so a run
-    with K micro-batches of B reads exactly what a run with one batch of K·B
-    reads, rank by rank. Checkpoints fall between steps, so `samples` is the
-    whole position."""
-
-    def __init__(
-        self,
-        source,
-        batch_size: int,
-        seq_len: int,
-        rank: int,
-        world_size: int,
-        device: torch.device,
-        micro_batches: int = 1,
-    ):
-        self.source, self.batch_size, self.seq_len = source, batch_size, seq_len
-        self.rank, self.world_size, self.device = rank, world_size, device
-        self.micro_batches = micro_batches
-        self.samples = 0
-        self._micro = 0  # micro-batches of the current step read so far
-
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's next micro-batch."""
-        per_rank = self.batch_size * self.micro_batches
-        first = self.samples + self.rank * per_rank + self._micro * self.batch_size
-        seqs = self.source.samples(first, self.batch_size, self.seq_len + 1).to(self.device, non_blocking=True)
-        self._micro += 1
-        if self._micro == self.micro_batches:
-            self._micro = 0
-            self.samples += self.world_size * per_rank
-        return seqs[:, :-1], seqs[:, 1:]
-
-    def eval_batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Held-out batch `index`: the same on every rank, so every replica is scored on the same data."""
-        first = index * self.batch_size
-        seqs = self.source.eval_samples(first, self.batch_size, self.seq_len + 1).to(self.device, non_blocking=True)
-        return seqs[:, :-1], seqs[:, 1:]
-
-    def state_dict(self) -> dict:
-        return {"samples": self.samples}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.samples = int(state["samples"])
-
-
-def data_source(cfg: DictConfig):
-    """The source `data` names, unopened (cheap): its config keys plus the two
-    arguments the harness fills in, given here and nowhere else."""
-    return instantiate(cfg.data, _partial_=True)(vocab_size=cfg.model.vocab_size, seed=cfg.train.seed)
-
-
-def build_data(cfg: DictConfig, rank: int, world_size: int, device: torch.device) -> TokenStream:
-    """This rank's slice of the stream `cfg.data` describes, its files opened (collective)."""
-    source = data_source(cfg)
-    if hasattr(source, "open"):
-        source.open()
-    train = cfg.train
-    return TokenStream(source, train.batch_size, train.seq_len, rank, world_size, device, train.grad_accum)
 
 
 def text_root(root: str | None) -> str:

@@ -1,0 +1,106 @@
+"""Token streams: one protocol, several sources (a file each): synthetic tokens
+(default, no files, synthetic.py), byte-level text from local files (text.py),
+and pretokenized shards written by `python -m harness.prepare` (tokens.py).
+
+Every rank reads a disjoint, deterministic slice of one global sequence of
+samples: with `n` samples consumed by all ranks so far, rank r of w takes
+samples n + r*B ... n + r*B + B-1, and a step consumes w*B (B = the rank's
+samples per step: `train.batch_size` × `train.grad_accum`). The union over
+ranks of one step is exactly what a single process with batch w*B would read.
+The position is that one global count (`TokenStream.samples`), saved by the
+checkpoint code through `state_dict()`; because it does not depend on the
+world size, a run resumed on another layout continues with the next unread
+sample - none skipped, none read twice.
+
+A data source is a class named by `data._target_`, built from its config keys
+plus `vocab_size` and `seed`, with `samples(first, count, length)` and, for
+`train.eval_every`, `eval_samples(first, count, length)` from data it never
+trains on (text: the corpus's last `data.eval_fraction` of bytes). Its
+constructor refuses bad arguments with a ValueError naming the key and the fix
+(`validate` builds it to ask, so it must be cheap); a source that reads files
+checks them in `preflight_errors()` and loads them in `open()`, which every
+rank calls together; one with held-out data it cannot always provide says so in
+`eval_errors(train.eval_every)`.
+"""
+
+from __future__ import annotations
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from harness.data.synthetic import SyntheticTokens
+from harness.data.text import TextTokens, text_root
+from harness.data.tokens import TokenShards
+
+__all__ = ["SyntheticTokens", "TextTokens", "TokenShards", "TokenStream", "build_data", "data_source", "text_root"]
+
+
+class TokenStream:
+    """Batches of (inputs, targets) for one rank; `samples` = samples consumed by all ranks.
+
+    A step reads `micro_batches` micro-batches of `batch_size` sequences per
+    rank, consecutive samples of the rank's one slice of the step, so a run
+    with K micro-batches of B reads exactly what a run with one batch of K·B
+    reads, rank by rank. Checkpoints fall between steps, so `samples` is the
+    whole position."""
+
+    def __init__(
+        self,
+        source,
+        batch_size: int,
+        seq_len: int,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        micro_batches: int = 1,
+    ):
+        self.source, self.batch_size, self.seq_len = source, batch_size, seq_len
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.micro_batches = micro_batches
+        self.samples = 0
+        self._micro = 0  # micro-batches of the current step read so far
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's next micro-batch."""
+        per_rank = self.batch_size * self.micro_batches
+        first = self.samples + self.rank * per_rank + self._micro * self.batch_size
+        seqs = self.source.samples(first, self.batch_size, self.seq_len + 1).to(self.device, non_blocking=True)
+        self._micro += 1
+        if self._micro == self.micro_batches:
+            self._micro = 0
+            self.samples += self.world_size * per_rank
+        return seqs[:, :-1], seqs[:, 1:]
+
+    def eval_batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Held-out batch `index`: the same on every rank, so every replica is scored on the same data."""
+        first = index * self.batch_size
+        seqs = self.source.eval_samples(first, self.batch_size, self.seq_len + 1).to(self.device, non_blocking=True)
+        return seqs[:, :-1], seqs[:, 1:]
+
+    def tokens_read(self) -> dict:
+        """Per-source token counts of a mixture so far (`data/tokens/*`), from the global position."""
+        counts = getattr(self.source, "tokens_read", None)
+        return counts(self.samples, self.seq_len + 1) if counts is not None else {}
+
+    def state_dict(self) -> dict:
+        return {"samples": self.samples}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.samples = int(state["samples"])
+
+
+def data_source(cfg: DictConfig):
+    """The source `data` names, unopened (cheap): its config keys plus the two
+    arguments the harness fills in, given here and nowhere else."""
+    build = instantiate(cfg.data, _partial_=True, _convert_="all")  # plain lists and dicts (data.sources)
+    return build(vocab_size=cfg.model.vocab_size, seed=cfg.train.seed)
+
+
+def build_data(cfg: DictConfig, rank: int, world_size: int, device: torch.device) -> TokenStream:
+    """This rank's slice of the stream `cfg.data` describes, its files opened (collective)."""
+    source = data_source(cfg)
+    if hasattr(source, "open"):
+        source.open()
+    train = cfg.train
+    return TokenStream(source, train.batch_size, train.seq_len, rank, world_size, device, train.grad_accum)

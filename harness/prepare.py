@@ -1,0 +1,237 @@
+"""Local raw text to token shards that `data=tokens` reads:
+
+    python -m harness.prepare input=[<files or globs>] out=<dir> [tokenizer=<tokenizer.json>] [key=value ...]
+
+Documents are read with Hugging Face `datasets` in streaming mode (memory does
+not grow with the corpus): a `.txt` file is one document, a `.jsonl`/`.json`/
+`.parquet` record is one (`text_field`), any other file (`.txt`, `.py`, ...) is
+one document of plain text. They are tokenized with a local
+Hugging Face `tokenizers` file, or with a byte-level BPE of `vocab_size`
+trained on the corpus itself by `tokenizers`' trainer and saved next to the
+shards; `encode_batch` runs on `num_proc` threads. A document is held out
+(eval shards) when a hash of its number and `seed` falls below
+`eval_fraction`; every `docs_per_shard` documents of a split make one shard, so
+the shards depend on the corpus and the settings alone, not on the threads or
+on interruptions. Each shard is written to a temporary name, fsynced and
+renamed, and `index.json` last: a re-run skips the shards already written and
+finishes the rest; a directory prepared with another tokenizer or other
+settings is refused. Format: harness/data/shards.py; docs/data.md.
+"""
+
+from __future__ import annotations
+
+import glob as globlib
+import itertools
+import json
+import logging
+import os
+import sys
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import hydra
+import numpy as np
+from omegaconf import DictConfig
+
+from harness.config import ConfigError, register_configs
+from harness.data.shards import FORMAT, INDEX, SPLITS, sha256_of, shard_errors, shard_name, token_dtype, write_durably
+
+log = logging.getLogger(__name__)
+
+BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # any other file is plain text
+SETTINGS = "prepare.json"  # what the shards in a directory were made with, written before the first shard
+NEEDS = 'harness.prepare needs Hugging Face datasets and tokenizers. Fix: pip install -e ".[data]".'
+
+
+def input_files(cfg: DictConfig) -> list[Path]:
+    """The files `input` names, sorted; ConfigError for a pattern that matches nothing."""
+    files, errors = [], []
+    for pattern in cfg.input:
+        matched = sorted(p for p in globlib.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p))
+        if not matched:
+            errors.append(f"input={pattern!r} matches no file. Fix: check the path or pattern ('**' recurses).")
+        files += [Path(p) for p in matched]
+    if errors:
+        raise ConfigError("\n\n".join(errors))
+    return sorted(set(files))
+
+
+def documents(files: list[Path], text_field: str) -> Iterator[str]:
+    """Every document of `files`, in file order, streamed through `datasets`."""
+    from datasets import load_dataset
+
+    for builder, group in itertools.groupby(files, key=lambda p: BUILDERS.get(p.suffix, "text")):
+        paths = [str(p) for p in group]
+        extra = {"sample_by": "document"} if builder == "text" else {}
+        records = load_dataset(builder, data_files=paths, split="train", streaming=True, **extra)
+        field = "text" if builder == "text" else text_field
+        for number, record in enumerate(records):
+            if number == 0 and field not in record:
+                raise ConfigError(
+                    f"text_field={field!r} is not a field of the records in {paths[0]} (it has: "
+                    f"{', '.join(record)}). Fix: text_field=<the field holding the text>."
+                )
+            if record[field]:
+                yield record[field]
+
+
+def held_out(number: int, seed: int, fraction: float) -> bool:
+    return zlib.crc32(f"{seed}/{number}".encode()) < fraction * 2**32
+
+
+def load_tokenizer(cfg: DictConfig, files: list[Path], out: Path):
+    """The tokenizer: `tokenizer`'s file, else the BPE in `out` from an earlier (interrupted) run with the
+    same settings, else a byte-level BPE trained on the corpus now. Saved as out/tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    saved = out / "tokenizer.json"
+    if cfg.tokenizer is not None:
+        path = Path(cfg.tokenizer).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"tokenizer={cfg.tokenizer!r} is not a file. Fix: a tokenizer.json, or tokenizer=null.")
+        tokenizer = Tokenizer.from_file(str(path))
+        if not saved.exists():
+            write_durably(saved, path.read_bytes())
+    elif saved.exists():
+        tokenizer = Tokenizer.from_file(str(saved))
+    else:
+        tokenizer = Tokenizer(models.BPE())
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=cfg.vocab_size,
+            special_tokens=[cfg.eot_token],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        log.info("training a byte-level BPE of %d tokens on the corpus", cfg.vocab_size)
+        tokenizer.train_from_iterator(documents(files, cfg.text_field), trainer=trainer)
+        write_durably(saved, tokenizer.to_str().encode())
+    if tokenizer.token_to_id(cfg.eot_token) is None:
+        raise ConfigError(
+            f"eot_token={cfg.eot_token!r} is not a token of the tokenizer. Fix: eot_token=<its end-of-text "
+            "token> (e.g. '</s>' or '<|end_of_text|>')."
+        )
+    return tokenizer
+
+
+def claim(out: Path, settings: dict) -> None:
+    """Refuse an output directory made with other settings or another tokenizer; else record ours."""
+    path = out / SETTINGS
+    if path.exists():
+        before = json.loads(path.read_text())
+        if before != settings:
+            differ = sorted(k for k in settings.keys() | before.keys() if before.get(k) != settings.get(k))
+            raise ConfigError(
+                f"out={str(out)!r} holds shards prepared with other settings ({', '.join(differ)} differ"
+                + (", another tokenizer" if "tokenizer_sha256" in differ else "")
+                + "); mixing them would make one dataset of two. Fix: a new out directory, or delete that one."
+            )
+    elif any(out.glob("*.bin")):
+        raise ConfigError(f"out={str(out)!r} holds .bin files harness.prepare did not write. Fix: a new out directory.")
+    else:
+        write_durably(path, json.dumps(settings, indent=2).encode())
+
+
+def prepare(cfg: DictConfig) -> dict:
+    """Write the dataset `cfg` describes (see the module's docstring); returns its index."""
+    try:
+        import datasets  # noqa: F401
+        import tokenizers  # noqa: F401
+    except ImportError:
+        raise ConfigError(NEEDS) from None
+    if not 0.0 <= cfg.eval_fraction < 1.0 or cfg.docs_per_shard < 1:
+        raise ConfigError(
+            f"eval_fraction={cfg.eval_fraction} must be in [0, 1) and docs_per_shard={cfg.docs_per_shard} >= 1. "
+            "Fix: eval_fraction=0.01 docs_per_shard=4096."
+        )
+    os.environ["RAYON_NUM_THREADS"] = str(cfg.num_proc or os.cpu_count())  # tokenizers' thread pool
+    files = input_files(cfg)
+    out = Path(cfg.out).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    if cfg.tokenizer is not None and not Path(cfg.tokenizer).expanduser().is_file():
+        raise ConfigError(f"tokenizer={cfg.tokenizer!r} is not a file. Fix: a tokenizer.json, or tokenizer=null.")
+    next(documents(files[:1], cfg.text_field), None)  # a missing text_field is refused before any work
+    tokenizer_hash = sha256_of(Path(cfg.tokenizer).expanduser()) if cfg.tokenizer is not None else None
+    settings = {
+        **{k: cfg[k] for k in ("text_field", "eot_token", "eval_fraction", "docs_per_shard", "seed")},
+        "tokenizer_sha256": tokenizer_hash,
+        "vocab_size": None if cfg.tokenizer is not None else cfg.vocab_size,
+    }
+    claim(out, settings)
+    tokenizer = load_tokenizer(cfg, files, out)
+    vocab, eot = tokenizer.get_vocab_size(), tokenizer.token_to_id(cfg.eot_token)
+    dtype = token_dtype(vocab)
+    index = {
+        "format": FORMAT,
+        "dtype": dtype.name,
+        "vocab_size": vocab,
+        "eot_id": eot,
+        "tokenizer_sha256": sha256_of(out / "tokenizer.json"),
+        "sources": [{"file": str(f.resolve()), "bytes": f.stat().st_size} for f in files],
+        "train": [],
+        "eval": [],
+    }
+    write_shards(cfg, files, tokenizer, eot, dtype, out, index)
+    if not index["train"]:
+        raise ConfigError(f"input={list(cfg.input)} holds no text (no non-empty document). Fix: point it at text.")
+    errors = shard_errors(out, index)
+    if errors:
+        raise ConfigError("\n".join(errors))
+    write_durably(out / INDEX, json.dumps(index, indent=2).encode())
+    return index
+
+
+def write_shards(cfg, files, tokenizer, eot: int, dtype: np.dtype, out: Path, index: dict) -> None:
+    """Tokenize the documents into shards of `docs_per_shard` documents per split, skipping
+    shards that an earlier run wrote (a rename makes each whole or absent)."""
+    from tqdm import tqdm
+
+    pending = {split: [] for split in SPLITS}
+    progress = tqdm(unit="tok", unit_scale=True, desc=f"tokenizing into {out}", disable=not sys.stderr.isatty())
+
+    def flush(split: str) -> None:
+        docs, number = pending[split], len(index[split])
+        path = out / shard_name(split, number)
+        if path.exists():  # written by an earlier run: renamed into place whole
+            tokens = path.stat().st_size // dtype.itemsize
+        else:
+            ids = [ids + [eot] for ids in (e.ids for e in tokenizer.encode_batch(docs))]
+            array = np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype)
+            write_durably(path, array.tobytes())
+            tokens = len(array)
+            progress.update(tokens)
+        index[split].append({"file": path.name, "tokens": tokens, "documents": len(docs)})
+        pending[split] = []
+
+    for number, text in enumerate(documents(files, cfg.text_field)):
+        split = "eval" if held_out(number, cfg.seed, cfg.eval_fraction) else "train"
+        pending[split].append(text)
+        if len(pending[split]) == cfg.docs_per_shard:
+            flush(split)
+    for split in SPLITS:
+        if pending[split]:
+            flush(split)
+    progress.close()
+
+
+@hydra.main(config_path="../conf", config_name="prepare", version_base=None)
+def main(cfg: DictConfig) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        index = prepare(cfg)
+    except ConfigError as e:
+        print(f"harness.prepare: {e}", file=sys.stderr)
+        sys.exit(2)
+    tokens = {split: sum(s["tokens"] for s in index[split]) for split in SPLITS}
+    print(
+        f"{cfg.out}: {tokens['train']:,} training and {tokens['eval']:,} held-out tokens in "
+        f"{len(index['train'])} + {len(index['eval'])} shards ({index['dtype']}, vocabulary {index['vocab_size']:,}); "
+        f"train with data=tokens data.path={cfg.out} model.vocab_size={index['vocab_size']}"
+    )
+
+
+if __name__ == "__main__":
+    register_configs()
+    main()
