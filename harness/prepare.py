@@ -218,7 +218,6 @@ def write_shards(cfg, files, tokenizer, eot: int, dtype: np.dtype, out: Path, in
 
 @hydra.main(config_path="../conf", config_name="prepare", version_base=None)
 def main(cfg: DictConfig) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         index = prepare(cfg)
     except ConfigError as e:

@@ -1,0 +1,260 @@
+"""`python -m harness.prepare` and `data=tokens` on small corpora the tests write:
+real `datasets` streams, real `tokenizers` BPE training, real files; one real
+CLI prepare + multi-rank training run."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from harness.config import ConfigError, register_configs
+from harness.data import TokenShards, TokenStream
+from harness.data.tokens import Mixture, WindowOrder
+from harness.prepare import prepare
+from harness.validate import validate
+
+from support import REPO, check_ok, read_metrics, run_cli
+
+register_configs()
+CPU = torch.device("cpu")
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+
+
+def write_corpus(root: Path) -> list[str]:
+    """40 documents: 20 .txt files, 12 .jsonl records, 8 .parquet records. Returns their texts."""
+    rng = np.random.default_rng(0)
+    texts = [" ".join(rng.choice(WORDS, size=int(rng.integers(20, 60)))) + f" doc{n}." for n in range(40)]
+    (root / "txt").mkdir(parents=True)
+    for n, text in enumerate(texts[:20]):
+        (root / "txt" / f"{n:02d}.txt").write_text(text)
+    with open(root / "records.jsonl", "w") as f:
+        for n, text in enumerate(texts[20:32]):
+            f.write(json.dumps({"id": n, "body": text}) + "\n")
+    pd.DataFrame({"body": texts[32:]}).to_parquet(root / "records.parquet")
+    return texts
+
+
+def prepare_cfg(root: Path, out: Path, *overrides: str):
+    inputs = f"input=[{root}/txt/*.txt,{root}/records.jsonl,{root}/records.parquet]"
+    defaults = [inputs, f"out={out}", "text_field=body", "vocab_size=300", "docs_per_shard=6", "eval_fraction=0.2"]
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        return compose("prepare", overrides=[*defaults, *overrides])
+
+
+def decode_documents(out: Path, split: str) -> list[str]:
+    from tokenizers import Tokenizer
+
+    index = json.loads((out / "index.json").read_text())
+    tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
+    docs = []
+    for shard in index[split]:
+        ids = np.fromfile(out / shard["file"], dtype=index["dtype"]).tolist()
+        assert ids[-1] == index["eot_id"] and len(ids) == shard["tokens"]
+        cut = [i for i, t in enumerate(ids) if t == index["eot_id"]]
+        docs += [tokenizer.decode(ids[a + 1 if a else 0 : b]) for a, b in zip([0, *cut], cut)]
+    return docs
+
+
+def file_bytes(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.suffix in (".bin", ".json")}
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> tuple[Path, Path, list[str]]:
+    root = tmp_path_factory.mktemp("corpus")
+    texts = write_corpus(root)
+    out = root / "prepared"
+    prepare(prepare_cfg(root, out, "num_proc=1"))
+    return root, out, texts
+
+
+def test_prepare_round_trips_every_document_and_holds_some_out(dataset):
+    """decode(encode(text)) gives each document back, each in exactly one split;
+    the held-out share is about eval_fraction; the index describes the files."""
+    _, out, texts = dataset
+    train, held = decode_documents(out, "train"), decode_documents(out, "eval")
+    assert sorted(train + held) == sorted(texts)
+    assert not set(train) & set(held) and 2 <= len(held) <= 16  # 20 % of 40, drawn by a hash
+    index = json.loads((out / "index.json").read_text())
+    assert index["dtype"] == "uint16" and index["vocab_size"] == 300 and len(index["sources"]) == 22
+    assert [s["documents"] for s in index["train"]][:-1] == [6] * (len(index["train"]) - 1)
+
+
+def test_shards_do_not_depend_on_threads_or_interruptions(dataset, tmp_path):
+    """Two threads give the same bytes (tokenizer included) as one; a run interrupted after
+    some shards (index.json and the last shard never written, a partial file left) and
+    re-run finishes with the same bytes, rewriting only what is missing."""
+    root, out, _ = dataset
+    two = tmp_path / "two"
+    prepare(prepare_cfg(root, two, "num_proc=2"))
+    assert file_bytes(two) == file_bytes(out)
+    index = json.loads((two / "index.json").read_text())
+    kept = two / index["train"][0]["file"]
+    before = kept.stat().st_mtime_ns
+    (two / "index.json").unlink()
+    (two / index["train"][-1]["file"]).unlink()
+    (two / "train_00001.bin.partial").write_bytes(b"\x00" * 7)  # a write cut short
+    prepare(prepare_cfg(root, two, "num_proc=2"))
+    assert file_bytes(two) == file_bytes(out)
+    assert kept.stat().st_mtime_ns == before  # not rewritten
+
+
+def source(out: Path, **kwargs) -> TokenShards:
+    shards = TokenShards(vocab_size=300, seed=5, path=str(out), **kwargs)
+    shards.open()
+    return shards
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_ranks_read_one_global_sequence_across_epochs_and_resume_exactly(dataset, world_size):
+    """Rank r of w reads its slice of one global sequence (the union of a step is one
+    process's batch of w·B); 30 steps pass several epoch boundaries; a stream stopped
+    at step 7 and resumed on another world size continues with the next samples."""
+    _, out, _ = dataset
+    single = TokenStream(source(out), 8, 48, 0, 1, CPU)
+    ranks = [TokenStream(source(out), 8 // world_size, 48, r, world_size, CPU) for r in range(world_size)]
+    windows = int(single.source.splits[0]["train"].windows(49)[-1])
+    assert 30 * 8 > 3 * windows  # several epochs
+    expected = [single.next_batch()[0] for _ in range(30)]
+    for step in range(30):
+        got = torch.cat([s.next_batch()[0] for s in ranks])
+        assert torch.equal(got, expected[step]), step
+        if step == 6:
+            state = ranks[0].state_dict()
+            ranks = [TokenStream(source(out), 4, 48, r, 2, CPU) for r in range(2)]  # resumed on 2 ranks
+            for s in ranks:
+                s.load_state_dict(state)
+    epochs = [single.source.samples(e * windows, windows, 49) for e in range(2)]
+    assert sorted(map(tuple, epochs[0].tolist())) == sorted(map(tuple, epochs[1].tolist()))  # each epoch: all windows
+    assert not torch.equal(epochs[0], epochs[1])  # in another order
+
+
+def test_window_order_is_a_permutation_keyed_by_seed_and_epoch():
+    for n in (1, 2, 7, 1000, 4097):
+        order = WindowOrder(n, seed=3, epoch=0)(np.arange(n))
+        assert sorted(order.tolist()) == list(range(n))
+    a, b, c = (WindowOrder(1000, s, e)(np.arange(1000)) for s, e in [(3, 0), (3, 1), (4, 0)])
+    assert not np.array_equal(a, b) and not np.array_equal(a, c)
+
+
+def test_mixture_keeps_its_weights_and_counts_exactly():
+    """70/30: every block of 1024 samples holds 717 and 307 (within one sample of the
+    weights), each source's own indices run 0, 1, 2, ... without gaps, and the counts
+    the dashboard gets equal a count of the samples dealt."""
+    mixture = Mixture([0.7, 0.3], seed=1)
+    dealt = [mixture.locate(i) for i in range(5000)]
+    for s in (0, 1):
+        within = [w for src, w in dealt if src == s]
+        assert within == list(range(len(within)))
+    assert mixture.samples_per_source(4096) == [4 * 717, 4 * 307]  # whole blocks: 0.7002 and 0.2998
+    for n in (0, 1, 1023, 1024, 3333, 5000):
+        assert mixture.samples_per_source(n) == [sum(1 for src, _ in dealt[:n] if src == s) for s in (0, 1)]
+
+
+def test_nanogpt_train_and_val_bins_are_read_as_they_are(tmp_path):
+    tokens = np.arange(1000, dtype=np.uint16) * 7 % 50000
+    tokens.tofile(tmp_path / "train.bin")
+    tokens[:300].tofile(tmp_path / "val.bin")
+    shards = TokenShards(vocab_size=50304, seed=0, path=str(tmp_path), format="nanogpt")
+    shards.open()
+    rows = shards.samples(0, 58, 17)  # 1000 // 17 = 58 windows: one epoch
+    starts = sorted(int(np.flatnonzero(tokens == row[0])[0]) for row in rows.numpy().astype(np.uint16))
+    assert starts == [17 * w for w in range(58)]
+    assert torch.equal(shards.eval_samples(0, 1, 17)[0], torch.from_numpy(tokens[:17].astype(np.int64)))
+
+
+def break_dataset(out: Path, case: str) -> None:
+    index = json.loads((out / "index.json").read_text())
+    if case == "truncated shard":
+        path = out / index["train"][1]["file"]
+        path.write_bytes(path.read_bytes()[:-6])
+    elif case == "index not matching":
+        index["train"][0]["tokens"] += 1
+        (out / "index.json").write_text(json.dumps(index))
+    elif case == "dtype too small":
+        index["vocab_size"] = 70000
+        (out / "index.json").write_text(json.dumps(index))
+
+
+LOADER_CASES = [
+    ("truncated shard", [], ["shard train_00001.bin holds", "truncated", "Fix: re-run python -m harness.prepare"]),
+    ("index not matching", [], ["shard train_00000.bin holds", "its index says", "Fix:"]),
+    ("dtype too small", ["model.vocab_size=70016"], ["its shards are uint16", "cannot hold token ids up to 69999"]),
+    ("vocabulary", ["model.vocab_size=256"], ["holds token ids up to 299", "Fix: model.vocab_size=300"]),
+]
+
+
+@pytest.mark.parametrize("case,overrides,expected", LOADER_CASES, ids=[c[0] for c in LOADER_CASES])
+def test_data_that_does_not_fit_is_refused_before_any_rank_starts(dataset, tmp_path, case, overrides, expected):
+    from harness.preflight import preflight
+
+    out = tmp_path / "copy"
+    shutil.copytree(dataset[1], out)
+    break_dataset(out, case)
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        cfg = compose("config", overrides=["data=tokens", f"data.path={out}", "model.vocab_size=320", *overrides])
+    try:  # validate reads the index (the vocabulary), preflight the files (as the launcher calls them)
+        validate(cfg, world_size=2, gpus=0)
+        message = "\n".join(preflight(cfg, tmp_path / "run", None))
+    except ConfigError as e:
+        message = str(e)
+    for text in expected:
+        assert text in message, f"{text!r} not in:\n{message}"
+
+
+PREPARE_CASES = [
+    ("glob matches nothing", ["input=[{root}/nothing/*.txt]"], ["matches no file", "Fix:"]),
+    ("text field missing", ["text_field=content"], ["text_field='content' is not a field", "body", "Fix:"]),
+    ("empty corpus", ["input=[{root}/empty/*.txt]"], ["holds no text", "Fix:"]),
+    ("another tokenizer", ["vocab_size=280"], ["holds shards prepared with other settings", "vocab_size", "Fix:"]),
+]
+
+
+@pytest.mark.parametrize("case,overrides,expected", PREPARE_CASES, ids=[c[0] for c in PREPARE_CASES])
+def test_bad_prepare_input_is_refused_with_the_fix(dataset, tmp_path, case, overrides, expected):
+    root, out, _ = dataset
+    (root / "empty").mkdir(exist_ok=True)
+    (root / "empty" / "blank.txt").write_text("")
+    target = tmp_path / "out" if case != "another tokenizer" else out
+    before = file_bytes(out)
+    with pytest.raises(ConfigError) as info:
+        prepare(prepare_cfg(root, target, *[o.format(root=root) for o in overrides]))
+    for text in expected:
+        assert text in str(info.value), f"{text!r} not in:\n{info.value}"
+    assert file_bytes(out) == before
+    assert not any(target.glob("*.bin")) or target == out
+
+
+@pytest.mark.slow
+def test_prepare_cli_then_two_ranks_train_on_a_mixture(dataset, tmp_path, cli_env):
+    """The real commands: python -m harness.prepare writes a second dataset with the
+    first one's tokenizer; python train.py trains 2 ranks on a 70/30 mixture of the
+    two, scores the held-out shards, and logs the tokens read from each."""
+    root, out, _ = dataset
+    other = tmp_path / "other"
+    args = [f"input=[{root}/txt/*.txt]", f"out={other}", f"tokenizer={out}/tokenizer.json", "docs_per_shard=4"]
+    command = [sys.executable, "-m", "harness.prepare", *args]
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, env=cli_env)
+    check_ok(proc)
+    assert f"train with data=tokens data.path={other} model.vocab_size=300" in proc.stdout
+    assert not list(tmp_path.glob("*.log"))  # nothing written next to the command
+    run = tmp_path / "run"
+    sources = f"data.sources=[{{path: {out}, weight: 0.7}}, {{path: {other}, weight: 0.3}}]"
+    train = ["model=mlp", "data=tokens", sources, "model.vocab_size=300", "train.seq_len=16", "train.batch_size=4"]
+    train += ["train.steps=8", "train.log_every=1", "train.eval_every=4", "train.eval_batches=2", "launcher.nproc=2"]
+    check_ok(run_cli([*train, f"hydra.run.dir={run}"], cli_env, tmp_path))
+    rows = read_metrics(run)
+    last = rows[-1]
+    read = last[f"data/tokens/{out.name}"] + last[f"data/tokens/{other.name}"]
+    assert read == 8 * 2 * 4 * 17  # every token read, from one source or the other
+    assert 0.5 < last[f"data/tokens/{out.name}"] / read < 0.9
+    assert [r["step"] for r in rows if "eval/loss" in r] == [4, 8]
