@@ -78,7 +78,7 @@ def test_mission_configs_are_valid():
         (["sharding.strategy=zero3"], "Invalid value 'zero3', expected one of [full_shard, shard_grad_op"),
         (["checkpoint.mode=sometimes"], "Invalid value 'sometimes', expected one of [none, full, sharded]"),
         (["wandb.mode=loud"], "Invalid value 'loud', expected one of [offline, online, disabled]"),
-        (["averager.comm_dtype=float16"], "Invalid value 'float16', expected one of [float32, bfloat16]"),
+        (["averager.comm_dtype=float16"], "Invalid value 'float16', expected one of [float32, bfloat16, int8, float8_e4m3fn]"),
         (["averager=diloco", "averager.outer_device=gpu"], "Invalid value 'gpu', expected one of [device, cpu]"),
     ],
 )
