@@ -60,20 +60,22 @@ class TokenFiles:
     def __init__(self, paths: list[Path], dtype: np.dtype):
         self.maps = [np.memmap(p, dtype=dtype, mode="r") for p in paths]
         self.tokens = sum(len(m) for m in self.maps)
+        self._ends: dict[int, np.ndarray] = {}
 
     def windows(self, length: int) -> np.ndarray:
         """Cumulative window counts per shard (a window needs `length` tokens inside one shard)."""
-        return np.cumsum([len(m) // length for m in self.maps])
+        if length not in self._ends:
+            self._ends[length] = np.cumsum([len(m) // length for m in self.maps])
+        return self._ends[length]
 
     def rows(self, window_ids: np.ndarray, length: int) -> torch.Tensor:
         ends = self.windows(length)
-        if ends[-1] == 0:
-            raise ValueError(f"no shard holds a whole window of train.seq_len+1={length} tokens")
         shards = np.searchsorted(ends, window_ids, side="right")
-        firsts = np.concatenate([[0], ends[:-1]])
-        starts = [(s, (w - firsts[s]) * length) for s, w in zip(shards, window_ids)]
-        rows = [self.maps[s][start : start + length] for s, start in starts]
-        return torch.from_numpy(np.stack(rows).astype(np.int64))
+        starts = (window_ids - np.concatenate([[0], ends[:-1]])[shards]) * length
+        out = np.empty((len(window_ids), length), dtype=np.int64)
+        for row, (shard, start) in enumerate(zip(shards, starts)):
+            out[row] = self.maps[shard][start : start + length]
+        return torch.from_numpy(out)
 
 
 class TokenSource:
@@ -198,11 +200,13 @@ class TokenShards:
         self.splits = [s.open() for s in self.sources]
 
     def samples(self, first: int, count: int, length: int) -> torch.Tensor:
-        rows = []
-        for index in range(first, first + count):
-            source, within = self.mixture.locate(index) if self.mixture else (0, index)
-            rows.append(self._window(source, within, length))
-        return torch.cat(rows)
+        indices = range(first, first + count)
+        located = [self.mixture.locate(i) for i in indices] if self.mixture else [(0, i) for i in indices]
+        out = torch.empty(count, length, dtype=torch.long)
+        for source in {s for s, _ in located}:
+            rows = [row for row, (s, _) in enumerate(located) if s == source]
+            out[rows] = self._windows(source, np.array([located[row][1] for row in rows]), length)
+        return out
 
     def tokens_read(self, samples: int, length: int) -> dict:
         """`data/tokens/<source>`: tokens the first `samples` global samples took from each source (mixtures)."""
@@ -217,7 +221,8 @@ class TokenShards:
         windows = int(files.windows(length)[-1])
         return files.rows(np.arange(first, first + count) % max(windows, 1), length)
 
-    def _window(self, source: int, within: int, length: int) -> torch.Tensor:
+    def _windows(self, source: int, within: np.ndarray, length: int) -> torch.Tensor:
+        """Samples `within` of source `source`'s own sequence: epoch by epoch, each a keyed order of its windows."""
         files = self.splits[source]["train"]
         windows = int(files.windows(length)[-1])
         if windows == 0:
@@ -225,6 +230,9 @@ class TokenShards:
                 f"{self.names[source]}: no training shard holds a window of train.seq_len+1={length} tokens. "
                 "Fix: lower train.seq_len, or prepare more text."
             )
-        epoch, position = divmod(within, windows)
-        window = WindowOrder(windows, zlib.crc32(f"{self.seed}/{source}".encode()), epoch)(np.array([position]))
-        return files.rows(window, length)
+        epochs, positions = np.divmod(within, windows)
+        ids = np.empty_like(within)
+        key = zlib.crc32(f"{self.seed}/{source}".encode())
+        for epoch in np.unique(epochs):
+            ids[epochs == epoch] = WindowOrder(windows, key, int(epoch))(positions[epochs == epoch])
+        return files.rows(ids, length)
