@@ -7,7 +7,6 @@ Writes OUT.json (rank 0): one record per step, and OUT.pt: the final full parame
 """
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -22,6 +21,7 @@ sys.path.insert(0, str(REPO))
 from harness.config import register_configs  # noqa: E402
 from harness.dist import init_distributed, teardown  # noqa: E402
 from harness.job import build_job  # noqa: E402
+from harness.launch.exit import exit_now  # noqa: E402
 from harness.loop import Trainer  # noqa: E402
 from harness.plan import plan_run  # noqa: E402
 
@@ -77,10 +77,4 @@ def main(out: str, overrides: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2:])
-    # Leave without interpreter finalization: process groups still referenced by
-    # torch's DeviceMesh cache are destroyed there, and a gloo worker thread then
-    # aborts the process now and then ("terminate called without an active
-    # exception", SIGABRT; pytorch/pytorch#179291). The output is written by now.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now(0)  # the output is written; interpreter finalization can abort in gloo (see exit_now)

@@ -12,7 +12,6 @@ tests stand one in. Writes OUT.pt (rank 0): every rank's final parameters and
 its per-step losses.
 """
 
-import os
 import sys
 from pathlib import Path
 
@@ -27,6 +26,7 @@ sys.path.insert(0, str(REPO))
 from harness.config import register_configs  # noqa: E402
 from harness.data import build_data  # noqa: E402
 from harness.dist import init_distributed, teardown  # noqa: E402
+from harness.launch.exit import exit_now  # noqa: E402
 from harness.models import build_model, materialize  # noqa: E402
 from harness.optim import build_optimizer  # noqa: E402
 from harness.rng import seed_rank  # noqa: E402
@@ -99,7 +99,4 @@ def main(out: str, overrides: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2:])
-    # as tests/probes/checkpoint_probe.py: leave without interpreter finalization (pytorch/pytorch#179291)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now(0)  # the output is written; interpreter finalization can abort in gloo (see exit_now)
