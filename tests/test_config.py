@@ -517,10 +517,10 @@ def test_yaml_files_hold_only_what_an_option_changes():
       config it changes: the default config with the preset's defaults-list
       overrides applied (`override /averager: diloco` -> `averager=diloco`, so a
       method is compared with its averager's YAML and schema); `hydra:` is Hydra's;
-    - conf/config.yaml's own values against the root schema.
+    - conf/config.yaml's (conf/prepare.yaml's) own values against the root schema (PrepareConf).
     A method named `<averager>_<period>` may leave its period to the schema; that
     it still composes to the period its name states is checked here too."""
-    from harness.config import SCHEMAS, Config
+    from harness.config import SCHEMAS, Config, PrepareConf
 
     found, unchecked = {}, []
     for path in sorted(CONF.rglob("*.yaml")):
@@ -530,9 +530,10 @@ def test_yaml_files_hold_only_what_an_option_changes():
         values = OmegaConf.to_container(OmegaConf.load(path))
         defaults = values.pop("defaults", [])
         schema_refs = [d for d in defaults if isinstance(d, str) and d.startswith("/schema/")]
-        if str(relative) == "config.yaml":
+        if str(relative) in ("config.yaml", "prepare.yaml"):
             values.pop("hydra", None)
-            found[str(relative)] = _repeated_defaults(values, _schema_defaults(Config))
+            root = Config if str(relative) == "config.yaml" else PrepareConf
+            found[str(relative)] = _repeated_defaults(values, _schema_defaults(root))
         elif schema_refs:
             _, _, group, name = schema_refs[0].split("@")[0].split("/")
             found[str(relative)] = _repeated_defaults(values, _schema_defaults(SCHEMAS[group][name]))
