@@ -196,7 +196,7 @@ COMPOSITION = [
         ["averager=diloco", "averager/outer_optimizer=nesterv"],
         "harness: averager/outer_optimizer=nesterv: config group averager/outer_optimizer has no option 'nesterv' "
         "(its options are the files in conf/averager/outer_optimizer/). Fix: averager/outer_optimizer=nesterov "
-        "(the closest option), or one of averager/outer_optimizer=adamw|nesterov.",
+        "(the closest option), or one of averager/outer_optimizer=adamw|nesterov|sgd.",
     ),
     (
         ["+train.steps=5"],

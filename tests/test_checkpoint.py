@@ -43,6 +43,7 @@ LAYOUTS = {
         "sharding.replicate=2",
         "optimizer=adamw",
         "averager=diloco",
+        "averager/outer_optimizer=nesterov",  # with momentum: outer optimizer state to save
         "averager.period=8",
         "averager.fragments=2",
         "averager.warmup_steps=2",
@@ -159,7 +160,8 @@ def test_checkpoints_reshard_exactly_with_the_outer_state_and_training_continues
     optimizer state are exactly the saved ones, the data position is global, and
     training goes on from the sharded one on the other layout. A checkpoint
     without outer state (post-local SGD) starts θ_outer as the replicas' mean."""
-    diloco = ["averager=diloco", "averager.period=4", "averager.fragments=2", "averager.warmup_steps=2"]
+    diloco = ["averager=diloco", "averager/outer_optimizer=nesterov", "averager.period=4", "averager.fragments=2"]
+    diloco.append("averager.warmup_steps=2")
     hybrid = ["launcher.nproc=4", "sharding=hybrid_shard", "sharding.replicate=2"]
     plain = ["launcher.nproc=2", "sharding=no_shard"]
     for name, saved_by, mode, loaded_by, nproc in [

@@ -46,7 +46,8 @@ def diloco_errors(cfg: DictConfig, replicas: int) -> list[str]:
     outer = avg.outer_optimizer
     if outer is None:
         errors.append(
-            "averager.outer_optimizer is not set. Fix: averager/outer_optimizer=nesterov (DiLoCo's Nesterov SGD)."
+            "averager.outer_optimizer is not set. "
+            "Fix: averager/outer_optimizer=sgd (the default), or nesterov (the paper's)."
         )
     else:
         errors += target_class(
@@ -55,7 +56,7 @@ def diloco_errors(cfg: DictConfig, replicas: int) -> list[str]:
             torch.optim.Optimizer,
             "torch.optim.Optimizer",
             ("params",),
-            "nesterov|adamw",
+            "sgd|nesterov|adamw",
             HARNESS_KEYS,
         )[1]
         if outer.get("in_backward"):
@@ -68,7 +69,7 @@ def diloco_errors(cfg: DictConfig, replicas: int) -> list[str]:
         if not isinstance(lr, (int, float)) or lr <= 0:
             errors.append(
                 f"averager.outer_optimizer.lr={lr!r} must be a positive number. "
-                "Fix: averager.outer_optimizer.lr=0.7 (DiLoCo's)."
+                "Fix: averager.outer_optimizer.lr=0.5 (the default)."
             )
     errors += _overlap_errors(avg)
     f = avg.fragments

@@ -4,8 +4,9 @@ on the same schedule, mesh and local shards as `ReplicaAverager`.
 Every rank keeps an *outer* copy of its local shards, `θ_outer`, equal on every
 replica. At a sync, after the local step, each rank forms the pseudo-gradient
 `Δ = θ_outer - θ_local`, averages it over the replicate group, takes one step
-of the outer optimizer (any `torch.optim` class; DiLoCo's is Nesterov SGD,
-lr 0.7, momentum 0.9) with `Δ` as the gradient, and sets `θ_local ← θ_outer`.
+of the outer optimizer (any `torch.optim` class; the paper's is Nesterov SGD,
+lr 0.7, momentum 0.9, the default here plain SGD at lr 0.5: docs/diloco.md)
+with `Δ` as the gradient, and sets `θ_local ← θ_outer`.
 With outer SGD at lr 1 and no momentum this is post-local SGD's average.
 
 Syncs come after `period` local steps (the paper's Algorithm 1 and torchft's
