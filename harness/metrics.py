@@ -96,9 +96,15 @@ AVERAGER_DRIFT = Metric(
     "averager/drift",
     "",
     SYNC,
-    "how far the replicas had drifted apart just before averaging: sqrt(Σ‖x_r − x̄‖² / Σ‖x̄‖²) over all local shards",
+    "how far the replicas had drifted apart just before averaging: sqrt(Σ‖x_r − x̄‖² / Σ‖x̄‖²) over all local shards "
+    "(not for a DiLoCo sync applied after a resume inside its delay window)",
 )
-AVERAGER_TIME = Metric("averager/time_s", "s", SYNC, "wall time of the averaging collectives")
+AVERAGER_TIME = Metric(
+    "averager/time_s",
+    "s",
+    SYNC,
+    "wall time of the averaging collectives (DiLoCo with `sync_delay`: the time the sync held training up)",
+)
 AVERAGER_PSEUDO_GRAD_NORM = Metric(
     "averager/pseudo_grad_norm", "", SYNC + " (DiLoCo)", "‖mean Δ‖ over the synced fragment, all ranks' shards"
 )
