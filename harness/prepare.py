@@ -8,7 +8,8 @@ not grow with the corpus): a `.txt` file is one document, a `.jsonl`/`.json`/
 one document of plain text. They are tokenized with a local
 Hugging Face `tokenizers` file, or with a byte-level BPE of `vocab_size`
 trained on the corpus itself by `tokenizers`' trainer and saved next to the
-shards; `encode_batch` runs on `num_proc` threads. A document is held out
+shards; `encode_batch_fast` runs on `num_proc` threads (tokenizers' thread
+pool, sized when the process first uses it). A document is held out
 (eval shards) when a hash of its number and `seed` falls below
 `eval_fraction`; every `docs_per_shard` documents of a split make one shard, so
 the shards depend on the corpus and the settings alone, not on the threads or
