@@ -4,12 +4,13 @@ What is measured: two jobs built in the same ranks by the harness's own
 `build_job` + `harness.loop.Trainer`: "harness" (`model=llama`) and
 "transformers" (`model=hf`, model_type llama, given the same sizes), same
 data, optimizer and sharding. Round 0 warms both up; then in each of
-`--rounds` rounds each job trains `--steps` steps, the order alternating to
-cancel drift, each timed between barriers. Reported: per-round ms/step of
+`--rounds` rounds each job trains `--steps` steps twice, once in each order
+(whichever runs first after the other is a few % slower), each timed between
+barriers. Reported: per-round ms/step of
 each, their ratio (harness / transformers), and the median ratio against the
 target (issue 19: <= 1.0, the harness's own Llama is not slower).
 
-    python bench/models.py [--nproc 2] [--rounds 5] [--steps 8] [overrides ...]
+    python bench/models.py [--nproc 2] [--rounds 7] [--steps 8] [overrides ...]
     python bench/models.py --smoke   # a tiny Llama, 1 round of 2 steps
 """
 
@@ -58,7 +59,9 @@ def rank(llama, run_dir: Path, plan, hf, args: argparse.Namespace) -> None:
             trainers[name] = Trainer(build_job(cfgs[name], env, plan), cfgs[name], env, job_dir).__enter__()
         times: dict[str, list[float]] = {name: [] for name in JOBS}
         for round_ in range(args.rounds + 1):
-            for name in JOBS if round_ % 2 == 0 else reversed(JOBS):
+            spent = dict.fromkeys(JOBS, 0.0)
+            # both orders in every round: whichever job runs first after the other is slower by a few %
+            for name in [*JOBS, *reversed(JOBS)]:
                 trainer = trainers[name]
                 synchronize(env.device)
                 dist.barrier()
@@ -66,8 +69,10 @@ def rank(llama, run_dir: Path, plan, hf, args: argparse.Namespace) -> None:
                 trainer.run(until=trainer.state.step + args.steps)
                 synchronize(env.device)
                 dist.barrier()
-                if round_ > 0:  # round 0 warms up
-                    times[name].append((time.perf_counter() - start) / args.steps)
+                spent[name] += time.perf_counter() - start
+            if round_ > 0:  # round 0 warms up
+                for name in JOBS:
+                    times[name].append(spent[name] / (2 * args.steps))
         params = {name: sum(p.numel() for p in t.job.model.parameters()) for name, t in trainers.items()}
         for trainer in trainers.values():
             trainer.__exit__(None, None, None)
@@ -78,7 +83,7 @@ def rank(llama, run_dir: Path, plan, hf, args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=8, help="steps per job per round")
     parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     parser.add_argument("overrides", nargs="*", help="hydra overrides of the model=llama job, e.g. model.n_layer=4")
@@ -87,7 +92,7 @@ def main() -> None:
     if args.smoke:
         args.rounds, args.steps = 1, 2
         overrides = ["model.d_model=32", "model.n_layer=1", "train.seq_len=16", *overrides]
-    steps = (args.rounds + 1) * args.steps
+    steps = (args.rounds + 1) * 2 * args.steps
     common = ["averager=none", "wandb.mode=disabled", "dist.threads_per_rank=1", f"train.steps={steps}"]
     common.append(f"train.log_every={steps}")
     llama = compose([*common, "model=llama", *overrides])
