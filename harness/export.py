@@ -14,7 +14,6 @@ the weights records the source checkpoint, its step and the replicas averaged.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from pathlib import Path
@@ -28,8 +27,6 @@ from harness.dist import init_distributed, teardown
 from harness.job import build_job
 from harness.models.hf_weights import save_hf_weights
 from harness.plan import RunPlan
-
-log = logging.getLogger(__name__)
 
 
 def find_checkpoint(source: Path) -> Path:
@@ -74,11 +71,10 @@ def export(source: Path, out: Path) -> dict:
                 "Fix: export runs of model=llama or model=hf."
             )
         load(path, job, rank=0)
-        save_hf_weights(job.model, out)
+        record = {"checkpoint": str(path.resolve()), "step": meta["step"], "replicas_averaged": meta["replica_copies"]}
+        save_hf_weights(job.model, out, notes={"export.json": record})
     finally:
         teardown()
-    record = {"checkpoint": str(path.resolve()), "step": meta["step"], "replicas_averaged": meta["replica_copies"]}
-    (out / "export.json").write_text(json.dumps(record, indent=2) + "\n")
     return record
 
 

@@ -85,14 +85,16 @@ def load_hf_weights(model: nn.Module, init_from: str) -> None:
 
 
 @torch.no_grad()
-def save_hf_weights(model: nn.Module, out: Path) -> None:
+def save_hf_weights(model: nn.Module, out: Path, notes: dict[str, dict] | None = None) -> None:
     """Write `model` (one process) as a Hugging Face checkpoint in `out`: safetensors through DCP's
-    writer, plus config.json. Written into a sibling directory and renamed, so `out` is whole or absent."""
+    writer, config.json, and `notes` (file name -> JSON content). Written into a sibling directory
+    and renamed, so `out` is whole or absent."""
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     state = {hf: t.full_tensor() if isinstance(t, DTensor) else t for hf, t in hf_state(model).items()}
     dcp.save(state, storage_writer=dcp.HuggingFaceStorageWriter(str(partial)))
-    (partial / "config.json").write_text(json.dumps(model.hf_config(), indent=2) + "\n")
+    for name, content in {"config.json": model.hf_config(), **(notes or {})}.items():
+        (partial / name).write_text(json.dumps(content, indent=2) + "\n")
     for file in partial.iterdir():
         with open(file, "rb") as f:
             os.fsync(f.fileno())
