@@ -180,7 +180,8 @@ class TokenShards:
                 )
         key = "data.path" if path is not None else "data.sources[{}].path"
         self.sources = [TokenSource(e["path"], format, vocab_size, key.format(i)) for i, e in enumerate(entries)]
-        self.names = [Path(e["path"]).name for e in entries]
+        names = [Path(e["path"]).name for e in entries]  # the dashboard's data/tokens/<name>: unique
+        self.names = names if len(set(names)) == len(names) else [f"{i}_{n}" for i, n in enumerate(names)]
         self.mixture = Mixture([float(e["weight"]) for e in entries], seed) if len(entries) > 1 else None
         self.seed = seed
         self.splits: list[dict[str, TokenFiles]] = []
