@@ -237,6 +237,8 @@ def compare(a: list[Result], b: list[Result]) -> str:
     """a's mean loss against b's, and whether the difference exceeds the seeds' spread."""
     la, lb = [r.eval_loss for r in a], [r.eval_loss for r in b]
     difference = mean(la) - mean(lb)
+    if len(la) < 2 or len(lb) < 2:
+        return f"{mean(la):.4f} vs {mean(lb):.4f}: {difference:+.4f} (one seed: no spread to compare it with)"
     noise = max(spread(la), spread(lb))
     within = abs(difference) <= noise
     verdict = "smaller than the spread between seeds" if within else "larger than the spread between seeds"
