@@ -9,7 +9,10 @@ the way GitHub does it.
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -239,7 +242,23 @@ def command_jobs(command: str) -> tuple[list[tuple[list[str], int, int]], str | 
     return jobs, None
 
 
-def test_documented_commands_compose_and_validate():
+def run_documented_prepares(workdir: Path) -> list[str]:
+    """Run every `python -m harness.prepare` command that starts a line of the docs (whole, in
+    bash, as a user pastes it: its `$(...)` and `\\` continuations kept) in `workdir`, so
+    that the training commands that read what it writes validate against real shards."""
+    commands = set()
+    for path in doc_files(REPO):
+        joined = re.sub(r"\\\n\s*", " ", path.read_text(encoding="utf-8"))
+        commands.update(re.findall(r"^(?:\$ )?(python -m harness\.prepare .*)$", joined, flags=re.MULTILINE))
+    # `python` is this interpreter, as it is in the environment the README sets up
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    for command in sorted(commands):
+        done = subprocess.run(["bash", "-c", command], cwd=workdir, env=env, capture_output=True, text=True)
+        assert done.returncode == 0, f"documented command failed: {command}\n{done.stderr[-3000:]}"
+    return sorted(commands)
+
+
+def test_documented_commands_compose_and_validate(tmp_path, monkeypatch):
     """Every `python train.py ...` and `torchrun ... train.py ...` in README.md and
     docs/*.md (fenced code and inline code) composes and passes `validate`, as each
     of its jobs would at startup, on a machine without GPUs.
@@ -255,6 +274,8 @@ def test_documented_commands_compose_and_validate():
       `python train.py` starts `launcher.nproc` ranks, 2 when null (no GPUs here).
     - `REFUSED` lists the commands shown on purpose being refused (they must stay
       refused), `NOT_HERE` the ones that cannot compose here, each with its reason.
+    - They run in a fresh directory where the documented `python -m harness.prepare`
+      commands have run first (4 s), as a user following the docs would have them.
     """
     from hydra import compose, initialize_config_dir
 
@@ -281,6 +302,8 @@ def test_documented_commands_compose_and_validate():
             return f"job {overrides}: {type(error).__name__}: {error}"
         return None
 
+    assert run_documented_prepares(tmp_path)
+    monkeypatch.chdir(tmp_path)
     results: dict[str, str | None] = {}  # each distinct command once
     failures = []
     for path in doc_files(REPO):
