@@ -282,6 +282,13 @@ def test_eight_bit_mean_is_within_its_stated_error_and_counts_values_and_scales(
         bound = 2 * (x.abs() * 2**-4 * (1 + 2**-4) + block_max / 448 * 2**-10)
     assert torch.all((y - x).abs() <= bound * (1 + 1e-6)), (y - x).abs().max()
     assert not torch.equal(y, x)
+    # started (a delayed DiLoCo sync): halfway the all-gather starts, the mean lands at the wait
+    z = x.clone()
+    mean = collectives.start_mean_over_group(z, world_of_1, dtype)
+    mean.advance()
+    assert torch.equal(z, x)
+    mean.wait()
+    assert torch.equal(z, y)
 
 
 # -- gradient clipping ---------------------------------------------------------------

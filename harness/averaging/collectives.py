@@ -59,22 +59,28 @@ def mean_over_group(flat: torch.Tensor, group: dist.ProcessGroup, comm_dtype: to
 
 
 class MeanInFlight:
-    """A `start_mean_over_group` under way, sending `nbytes`: `wait()` completes it
-    (`flat` then holds the mean); later calls return at once."""
+    """A `start_mean_over_group` under way, sending `nbytes`, as its `stages`: each
+    waits for the collective under way and starts the next; the last one leaves the
+    mean in `flat`. `advance()` runs every stage but the last (so a narrow dtype's
+    all-gather starts while training goes on); `wait()` runs what remains, later
+    calls return at once."""
 
-    def __init__(self, finish: Callable[[], None], nbytes: int):
-        self._finish, self.nbytes = finish, nbytes
+    def __init__(self, stages: list[Callable[[], None]], nbytes: int):
+        self._stages, self.nbytes = stages, nbytes
+
+    def advance(self) -> None:
+        while len(self._stages) > 1:
+            self._stages.pop(0)()
 
     def wait(self) -> None:
-        if self._finish is not None:
-            self._finish()
-            self._finish = None
+        while self._stages:
+            self._stages.pop(0)()
 
 
 def start_mean_over_group(flat: torch.Tensor, group: dist.ProcessGroup, comm_dtype: torch.dtype) -> MeanInFlight:
     """`mean_over_group`, started: its first collective is issued asynchronously (the
     whole all-reduce in the tensor's own dtype; the all-to-all of a narrower
-    dtype, whose fp32 sum and all-gather run in `wait()`)."""
+    dtype, whose fp32 sum and all-gather run in `advance()` or `wait()`)."""
     n = group.size()
     if comm_dtype == flat.dtype:
         work = dist.all_reduce(flat, group=group, async_op=True)
@@ -83,22 +89,27 @@ def start_mean_over_group(flat: torch.Tensor, group: dist.ProcessGroup, comm_dty
             work.wait()
             flat.div_(n)
 
-        return MeanInFlight(finish, flat.numel() * flat.element_size())
+        return MeanInFlight([finish], flat.numel() * flat.element_size())
     if comm_dtype in EIGHT_BIT_MAX:
         return _start_mean_in_8_bits(flat, group, comm_dtype)
     chunk = -(-flat.numel() // n)
     sent = torch.zeros(chunk * n, dtype=comm_dtype, device=flat.device)
     sent[: flat.numel()].copy_(flat)
     received = torch.empty_like(sent)
-    work = dist.all_to_all_single(received, sent, group=group, async_op=True)
+    works = [dist.all_to_all_single(received, sent, group=group, async_op=True)]
+    kept: list[torch.Tensor] = []
 
-    def finish_narrow() -> None:
-        work.wait()
+    def gather_means() -> None:
+        works[0].wait()
         mine = received.view(n, chunk).float().sum(0).div_(n).to(comm_dtype)
-        dist.all_gather_into_tensor(sent, mine, group=group)
+        works[0] = dist.all_gather_into_tensor(sent, mine, group=group, async_op=True)
+        kept.append(mine)  # alive until its all-gather is done
+
+    def finish() -> None:
+        works[0].wait()
         flat.copy_(sent[: flat.numel()])
 
-    return MeanInFlight(finish_narrow, flat.numel() * sent.element_size())
+    return MeanInFlight([gather_means, finish], flat.numel() * sent.element_size())
 
 
 QUANT_BLOCK = 1024  # values per fp32 scale in 8-bit communication: 0.4 % of the bytes go to scales
@@ -137,17 +148,28 @@ def _start_mean_in_8_bits(flat: torch.Tensor, group: dist.ProcessGroup, dtype: t
         dist.all_to_all_single(got_values.view(torch.uint8), values.view(torch.uint8), group=group, async_op=True),
         dist.all_to_all_single(got_scales, scales, group=group, async_op=True),
     ]
+    kept: list[torch.Tensor] = []
 
-    def finish() -> None:
+    def gather_means() -> None:
         for work in works:
             work.wait()
         mine = dequantize(got_values, got_scales).view(n, per_rank).sum(0).div_(n)
         mine_values, mine_scales = quantize(mine.view(-1, QUANT_BLOCK), dtype)
-        dist.all_gather_into_tensor(values.view(torch.uint8), mine_values.view(torch.uint8), group=group)
-        dist.all_gather_into_tensor(scales, mine_scales, group=group)
+        works[:] = [
+            dist.all_gather_into_tensor(
+                values.view(torch.uint8), mine_values.view(torch.uint8), group=group, async_op=True
+            ),
+            dist.all_gather_into_tensor(scales, mine_scales, group=group, async_op=True),
+        ]
+        kept.extend([mine_values, mine_scales])  # alive until their all-gathers are done
+
+    def finish() -> None:
+        for work in works:
+            work.wait()
         flat.copy_(dequantize(values, scales).view(-1)[: flat.numel()])
 
-    return MeanInFlight(finish, values.numel() * values.element_size() + scales.numel() * scales.element_size())
+    nbytes = values.numel() * values.element_size() + scales.numel() * scales.element_size()
+    return MeanInFlight([gather_means, finish], nbytes)
 
 
 def _flatten(params) -> list[torch.Tensor]:

@@ -85,11 +85,16 @@ class DiLoCoAverager(ReplicaAverager):
     def average_parameters(self, params) -> None:
         """After the local step (`params` are the model's own, which the outer
         state already holds by name, so the argument is not needed): apply the
-        sync whose delay ends here, start the one that falls here (applied at
-        once without `sync_delay`)."""
+        sync whose delay ends here (or, halfway through the delay, start its
+        second collective), start the one that falls here (applied at once
+        without `sync_delay`)."""
         in_flight = self.outer.in_flight
         if in_flight is not None and in_flight.apply_step == self.step:
             self.finish_sync()
+        elif in_flight is not None and in_flight.apply_step - self.sync_delay // 2 == self.step:
+            start = time.perf_counter()
+            in_flight.advance()  # halfway: a narrow dtype's all-gather goes under the rest of the window
+            in_flight.blocked_s += time.perf_counter() - start
         fragment = self.fragment_due()
         if fragment is not None:
             self.start_sync(fragment)
@@ -146,7 +151,11 @@ class SyncInFlight:
     deltas: list[torch.Tensor] | None  # None after a resume: only the mean was saved
     means: list[torch.Tensor]
     collectives: list[MeanInFlight]  # empty after a resume: the mean was saved complete
-    blocked_s: float = 0.0  # time the start held up training
+    blocked_s: float = 0.0  # time the start (and the halfway advance) held up training
+
+    def advance(self) -> None:
+        for collective in self.collectives:
+            collective.advance()
 
     def wait(self) -> None:
         if self.collectives:
