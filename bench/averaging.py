@@ -642,7 +642,7 @@ def part_overlap(args: argparse.Namespace, workdir: Path) -> None:
         ratio = delayed.mean_s / quiet.mean_s
         verdict = "meets" if ratio <= OVERLAP_TARGET else "misses"
         label = delayed.averager.label
-        print(f"  {label}: {ratio:.2f}x the no-communication step time ({verdict} the target <= {OVERLAP_TARGET}x)")
+        print(f"  {label}: {ratio:.3f}x the no-communication step time ({verdict} the target <= {OVERLAP_TARGET}x)")
 
 
 # ------------------------------------------------------------------ main
