@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from support import base_env
+
 REPO = Path(__file__).resolve().parents[1]
 
 FENCE = re.compile(r"^ {0,3}(```|~~~)")
@@ -251,7 +253,7 @@ def run_documented_prepares(workdir: Path) -> list[str]:
         joined = re.sub(r"\\\n\s*", " ", path.read_text(encoding="utf-8"))
         commands.update(re.findall(r"^(?:\$ )?(python -m harness\.prepare .*)$", joined, flags=re.MULTILINE))
     # `python` is this interpreter, as it is in the environment the README sets up
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env = {**base_env(workdir), "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     for command in sorted(commands):
         done = subprocess.run(["bash", "-c", command], cwd=workdir, env=env, capture_output=True, text=True)
         assert done.returncode == 0, f"documented command failed: {command}\n{done.stderr[-3000:]}"
