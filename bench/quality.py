@@ -83,7 +83,7 @@ SETTINGS = ["data=text", "optimizer=adamw", "train.log_every=1", "wandb.mode=dis
 SMOKE_HELP = "the smallest run through every path of this bench, on CPU, in seconds (tests/test_bench.py)"
 SMOKE = (
     "--steps 4 --warmup 2 --periods 1 --eval-batches 1 --loopback --outer avg --comm-dtypes float32,int8 "
-    "--dtype-setting avg"
+    "--dtype-setting avg --seeds 1,2"
 ).split()
 SMOKE_OVERRIDES = "model.n_layer=1 model.d_model=32 train.batch_size=2 train.seq_len=32 data.max_bytes=1000000".split()
 # DiLoCo's outer optimizer settings the sweep compares: SGD (Nesterov where momentum > 0), lr / momentum
@@ -234,7 +234,8 @@ def print_summary(results: dict[str, list[Result]], seeds: int) -> None:
 
 
 def compare(a: list[Result], b: list[Result]) -> str:
-    """a's mean loss against b's, and whether the difference exceeds the seeds' spread."""
+    """a's mean loss against b's, whether the difference exceeds the seeds' spread, and on
+    how many seeds a is lower (runs are in seed order: a pair shares initial weights and data order)."""
     la, lb = [r.eval_loss for r in a], [r.eval_loss for r in b]
     difference = mean(la) - mean(lb)
     if len(la) < 2 or len(lb) < 2:
@@ -242,7 +243,8 @@ def compare(a: list[Result], b: list[Result]) -> str:
     noise = max(spread(la), spread(lb))
     within = abs(difference) <= noise
     verdict = "smaller than the spread between seeds" if within else "larger than the spread between seeds"
-    return f"{mean(la):.4f} vs {mean(lb):.4f}: {difference:+.4f} ({verdict}, +-{noise:.4f})"
+    lower = f"lower on {sum(x < y for x, y in zip(la, lb))} of {len(la)} seeds"
+    return f"{mean(la):.4f} vs {mean(lb):.4f}: {difference:+.4f} ({verdict}, +-{noise:.4f}; {lower})"
 
 
 def report(results: dict[str, list[Result]], args: argparse.Namespace, where: str) -> None:
