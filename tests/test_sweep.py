@@ -25,6 +25,7 @@ from wandb_reader import find_run_files, read_run
 
 pytestmark = pytest.mark.slow
 SWEEP = [*FAST, "averager.warmup_steps=2", "hydra.sweep.dir=sweep"]
+MODELS = "model=mlp,llama"  # the report and W&B runs of a sweep over models, the Llama among them
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -41,14 +42,15 @@ def check_pngs(*paths: Path) -> None:
 def test_sweep_jobs_get_their_own_ranks_wandb_runs_and_one_report(tmp_path):
     env = base_env(tmp_path)
     env.pop("WANDB_MODE")  # the default: offline W&B runs in each job dir
-    proc = run_cli(["-m", *SWEEP, "optimizer=sgd,adamw", "averager.period=2,4"], env, tmp_path)
+    sweep_args = [a for a in SWEEP if a != "model=mlp"]
+    proc = run_cli(["-m", *sweep_args, MODELS, "averager.period=2,4"], env, tmp_path)
     check_ok(proc)
     sweep = tmp_path / "sweep"
     names = {
-        "optimizer=sgd,averager.period=2",
-        "optimizer=sgd,averager.period=4",
-        "optimizer=adamw,averager.period=2",
-        "optimizer=adamw,averager.period=4",
+        "model=mlp,averager.period=2",
+        "model=mlp,averager.period=4",
+        "model=llama,averager.period=2",
+        "model=llama,averager.period=4",
     }
     assert "harness: sweep" in proc.stdout and "4 of 4 jobs completed" in proc.stdout
     assert proc.stdout.count("starting 2 local ranks") == 4
@@ -65,7 +67,7 @@ def test_sweep_jobs_get_their_own_ranks_wandb_runs_and_one_report(tmp_path):
         runs[run["run"]["display_name"]] = run
         assert run["run"]["group"] == "sweep"  # the sweep dir's name
         assert set(run["run"]["tags"]) == set(run["run"]["display_name"].split(","))
-        assert "model=mlp" in run["config"]["overrides"]
+        assert run["run"]["display_name"].split(",")[0] in run["config"]["overrides"]
         # the run holds this job's rows and no other job's
         jsonl = [(row["step"], row.get("train/loss")) for row in read_metrics(job_dir)]
         logged = [(row["train/step"], row.get("train/loss")) for row in run["history"]]
@@ -98,7 +100,7 @@ def test_sweep_jobs_get_their_own_ranks_wandb_runs_and_one_report(tmp_path):
 
     assert report_main([str(sweep / "0")]) == 0
     check_pngs(sweep / "0" / "report" / "run.png")
-    assert "optimizer=sgd,averager.period=2" in (sweep / "0" / "report" / "summary.md").read_text()
+    assert "model=mlp,averager.period=2" in (sweep / "0" / "report" / "summary.md").read_text()
 
 
 def test_a_failing_job_fails_alone_and_the_sweep_exits_non_zero(tmp_path, cli_env):
