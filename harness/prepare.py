@@ -3,9 +3,9 @@
     python -m harness.prepare input=[<files or globs>] out=<dir> [tokenizer=<tokenizer.json>] [key=value ...]
 
 Documents are read with Hugging Face `datasets` in streaming mode (memory does
-not grow with the corpus): a `.txt` file is one document, a `.jsonl`/`.json`/
-`.parquet` record is one (`text_field`), any other file (`.txt`, `.py`, ...) is
-one document of plain text. They are tokenized with a local
+not grow with the corpus): a `.jsonl`/`.json`/`.parquet` record is one
+(`text_field`), any other file (`.txt`, `.py`, ...) is one document of plain
+text. They are tokenized with a local
 Hugging Face `tokenizers` file, or with a byte-level BPE of `vocab_size`
 trained on the corpus itself by `tokenizers`' trainer and saved next to the
 shards; `encode_batch_fast` runs on `num_proc` threads (tokenizers' thread
@@ -87,10 +87,8 @@ def load_tokenizer(cfg: DictConfig, files: list[Path], out: Path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     saved = out / "tokenizer.json"
-    if cfg.tokenizer is not None:
+    if cfg.tokenizer is not None:  # `prepare` has checked that it is a file
         path = Path(cfg.tokenizer).expanduser()
-        if not path.is_file():
-            raise ConfigError(f"tokenizer={cfg.tokenizer!r} is not a file. Fix: a tokenizer.json, or tokenizer=null.")
         tokenizer = Tokenizer.from_file(str(path))
         if not saved.exists():
             write_durably(saved, path.read_bytes())
