@@ -98,6 +98,11 @@ class CheckpointMode(Choice):
     sharded = "sharded"
 
 
+class FaultToleranceMode(Choice):
+    none = "none"  # one dead rank stops every rank (torchrun or the launcher restarts the whole job)
+    torchft = "torchft"  # replica groups survive each other: torchft's lighthouse and Manager (docs/failures.md)
+
+
 class WandbMode(Choice):
     offline = "offline"
     online = "online"
@@ -392,6 +397,24 @@ class ShardingConf:
     reduce_dtype: DType = DType.float32
 
 
+# --- fault tolerance ------------------------------------------------------------
+
+
+@dataclass
+class FaultToleranceConf:
+    """Replica groups that survive each other (harness/fault_tolerance.py; docs/failures.md; needs the ft extra)."""
+
+    mode: FaultToleranceMode = MISSING  # each fault_tolerance/<option>.yaml sets it
+    min_replicas: int = 1  # replica groups a sync needs; with fewer the survivors wait at the quorum
+    lighthouse: Optional[str] = None  # torchft lighthouse URL (http://host:port); null: the launcher starts one
+    replica_id: Optional[int] = None  # this replica group; null: REPLICA_GROUP_ID (torchft's launcher convention)
+    quorum_timeout_s: float = 300.0  # a quorum (at most once a step) fails after this; covers a peer's restart
+    timeout_s: float = 60.0  # a cross-replica collective or a heal's transfer fails after this
+    heartbeat_timeout_s: float = 5.0  # the lighthouse started here counts a silent group as gone after this
+    join_timeout_s: float = 10.0  # ... and waits this long for a live group that has not asked for the quorum
+    max_restarts: int = 3  # restarts of each replica group the launcher allows (torchrun: its --max-restarts)
+
+
 # --- checkpoint / wandb ---------------------------------------------------------
 
 
@@ -448,6 +471,7 @@ class Config:
     averager: Any = None
     sharding: Any = None
     checkpoint: Any = None
+    fault_tolerance: Any = None
     wandb: Any = None
     launcher: LauncherConf = field(default_factory=LauncherConf)
     dist: DistConf = field(default_factory=DistConf)
@@ -473,6 +497,7 @@ SCHEMAS = {
     },
     "sharding": {"sharding": ShardingConf},
     "checkpoint": {"checkpoint": CheckpointConf},
+    "fault_tolerance": {"fault_tolerance": FaultToleranceConf},
     "wandb": {"wandb": WandbConf},
 }
 

@@ -10,6 +10,7 @@ from omegaconf import DictConfig
 from torch.distributed.device_mesh import DeviceMesh
 
 from harness.averaging import CrossReplica, local_optimizer, setup_cross_replica
+from harness.averaging.link import ReplicaLink
 from harness.data import TokenStream, build_data
 from harness.dist import DistEnv
 from harness.lr_schedules import LRSchedule, build_lr_schedule
@@ -75,10 +76,12 @@ class Job:
         }
 
 
-def build_job(cfg: DictConfig, env: DistEnv, plan: RunPlan) -> Job:
+def build_job(cfg: DictConfig, env: DistEnv, plan: RunPlan, link: ReplicaLink | None = None) -> Job:
     """What one rank trains with: the plan's mesh, the model sharded on it and
-    materialised, the local optimizer wrapped for averaging, this rank's data."""
-    mesh = build_mesh(plan.replicate, plan.shard, env.device.type)
+    materialised, the local optimizer wrapped for averaging, this rank's data.
+    `link`: what joins the replicas when they are not ranks of this world (a
+    replica group under fault tolerance: its mesh is (1, shard))."""
+    mesh = build_mesh(1 if plan.replica_id is not None else plan.replicate, plan.shard, env.device.type)
     model = build_model(cfg.model, cfg.train.seq_len)
     flops_per_token = model.flops_per_token(cfg.train.seq_len)
     checkpoint_activations(model, cfg.model.activation_checkpointing)
@@ -95,6 +98,6 @@ def build_job(cfg: DictConfig, env: DistEnv, plan: RunPlan) -> Job:
     )
     optimizer = build_local_optimizer(cfg.optimizer, model.parameters(), env.device)
     lr_schedule = build_lr_schedule(cfg.lr_scheduler, optimizer, cfg.train.steps)
-    optimizer, cross_replica = setup_cross_replica(model, optimizer, mesh, cfg.averager, plan.averaging)
-    data = build_data(cfg, env.rank, env.world_size, env.device)
+    optimizer, cross_replica = setup_cross_replica(model, optimizer, mesh, cfg.averager, plan.averaging, link)
+    data = build_data(cfg, plan.rank_in_mesh(env.rank), plan.world_size, env.device)
     return Job(model, optimizer, data, mesh, cross_replica, lr_schedule, flops_per_token)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
@@ -22,6 +22,7 @@ from harness.checkpoint import Checkpointer, checkpoint_dir, load
 from harness.config import plain
 from harness.data import TokenStream
 from harness.dist import DistEnv, init_distributed, mean_over_ranks, node_of_each_rank, teardown, true_on_every_rank
+from harness.fault_tolerance import ReplicaGroup, TorchftLink, group_outputs
 from harness.job import Job, build_job
 from harness.mesh import describe_replicas
 from harness.optim import clip_grad_norm_
@@ -44,9 +45,13 @@ class TrainState:
 def run_rank(cfg: DictConfig, run_dir: Path, plan: RunPlan) -> None:
     """One rank of the run described by `cfg` (already checked) and its `plan`."""
     env = init_distributed(cfg.train.device, cfg.dist.timeout_s, cfg.dist.threads_per_rank)
-    seed_rank(cfg.train.seed, env.rank)
+    seed_rank(cfg.train.seed, plan.rank_in_mesh(env.rank))
+    link, resume_from = None, plan.resume_from
     try:
-        job = build_job(cfg, env, plan)
+        if plan.replica_id is not None:  # a replica group: its peers are reached through torchft's Manager
+            run_dir, resume_from = group_outputs(cfg, run_dir, plan.replica_id)
+            link = TorchftLink(cfg.fault_tolerance, plan.replica_id, env.rank, env.world_size, env.device)
+        job = build_job(cfg, env, plan, link)
         log.info(
             "world %d, mesh %s, %s parameters, device %s",
             env.world_size,
@@ -55,9 +60,11 @@ def run_rank(cfg: DictConfig, run_dir: Path, plan: RunPlan) -> None:
             env.device,
         )
         log.info("replicas: %s", describe_replicas(job.mesh, node_of_each_rank()))
-        with Trainer(job, cfg, env, run_dir, plan.resume_from) as trainer:
+        with Trainer(job, cfg, env, run_dir, resume_from, replica_group=plan.replica_id) as trainer:
             trainer.run()
     finally:
+        if link is not None:
+            link.shutdown()
         teardown()
 
 
@@ -67,15 +74,32 @@ class Trainer:
     context manager: leaving it normally makes the last async save durable and
     waits for every rank; leaving it in any way closes the metrics sinks."""
 
-    def __init__(self, job: Job, cfg: DictConfig, env: DistEnv, run_dir: Path, resume_from: Path | None = None):
+    def __init__(
+        self,
+        job: Job,
+        cfg: DictConfig,
+        env: DistEnv,
+        run_dir: Path,
+        resume_from: Path | None = None,
+        replica_group: int | None = None,
+    ):
         self.job, self.cfg, self.env = job, cfg.train, env
+        # fault_tolerance=torchft: this world is replica group `replica_group`, its peers behind the averager's link
+        self.replica_group = None
+        if replica_group is not None:
+            link = job.cross_replica.averager.link
+            self.replica_group = ReplicaGroup(self, link, replica_group, env.world_size, cfg.train.seed)
         run_config = plain(cfg)
         self.checkpointer = Checkpointer(
             cfg.checkpoint, checkpoint_dir(cfg.checkpoint, run_dir), env.rank, env.device, run_config
         )
-        self.sink = MetricsSink(
-            run_dir, cfg.wandb, run_config, enabled=env.is_main, tensorboard=cfg.metrics.tensorboard
-        )
+        wandb = cfg.wandb
+        if replica_group is not None:  # each group its own W&B run, in the job's W&B group
+            job_name = run_dir.parent.name
+            wandb = OmegaConf.merge(
+                wandb, {"group": wandb.group or job_name, "name": f"{wandb.name or job_name}/group{replica_group}"}
+            )
+        self.sink = MetricsSink(run_dir, wandb, run_config, enabled=env.is_main, tensorboard=cfg.metrics.tensorboard)
         self.state = TrainState()
         if resume_from is not None:
             try:
@@ -116,6 +140,8 @@ class Trainer:
         until = cfg.steps if until is None else min(until, cfg.steps)
         self._clock = time.perf_counter(), state.step
         while state.step < until:
+            if self.replica_group is not None:  # a quorum, when this step crosses replicas; a heal sets state.step
+                self.replica_group.before_step()
             step = state.step + 1
             log_step = step == 1 or step % cfg.log_every == 0 or step == cfg.steps
             loss = self._forward_backward()
@@ -123,10 +149,13 @@ class Trainer:
             if (cfg.grad_clip > 0 or log_step) and not job.steps_in_backward:
                 grad_norm = clip_grad_norm_(job.model.parameters(), cfg.grad_clip)
             finite = finite_on_every_rank(loss, grad_norm)
+            if finite and self.replica_group is not None and not self.replica_group.gradients_committed():
+                log.warning("step %d: the gradient exchange lost a replica group; step skipped", step)
+                finite = None  # skipped, as a non-finite step under train.nonfinite=skip, but not for that reason
             if finite:
                 self.checkpointer.wait_for_staging()  # an async save copies the parameters before they change
                 job.optimizer.step()  # with an averager: the local step, then maybe averaging across replicas
-            else:
+            elif finite is not None:
                 skip_nonfinite_step(cfg.nonfinite, step, job.steps_in_backward)  # raises unless train.nonfinite=skip
             job.optimizer.zero_grad(set_to_none=True)
             lr = job.lr_schedule.lr  # the rate this step trained at, for the log
@@ -162,11 +191,13 @@ class Trainer:
             row[metrics.EVAL_LOSS] = evaluate(job.model, job.data, cfg.eval_batches)
         saved = self.checkpointer.after_step(job, step, cfg.steps)
         row.update(saved)
-        if not finite:
+        if finite is False:
             row[metrics.TRAIN_SKIPPED_NONFINITE] = 1
+        if self.replica_group is not None:
+            row.update(self.replica_group.step_metrics())
         if log_step:
             row.update(self._progress(step, loss, grad_norm, lr))
-        if log_step or averaged or evaluated or saved or not finite:
+        if log_step or averaged or evaluated or saved or not finite or metrics.FT_QUORUM_TIME in row:
             self.sink.log(row, step)
 
     def _progress(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | None, lr: float) -> dict:

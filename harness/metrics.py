@@ -134,6 +134,16 @@ CHECKPOINT_LOAD = Metric("checkpoint/load_s", "s", RESUME, "loading the checkpoi
 CHECKPOINT_SET_STATE_DICT = Metric(
     "checkpoint/set_state_dict_s", "s", RESUME, "setting the loaded state dicts into model and optimizer"
 )
+FT = "every logged row, with fault_tolerance=torchft"
+FT_QUORUM_STEP = "steps that opened a quorum, with fault_tolerance=torchft"
+FT_REPLICAS = Metric("ft/replicas", "", FT, "replica groups in the quorum of this group's last quorum")
+FT_HEALS = Metric("ft/heals", "", FT, "times this replica group was healed from a live peer, cumulative")
+FT_HEAL_TIME = Metric(
+    "ft/heal_s", "s", "the step a replica group was healed", "receiving and loading a live peer's state"
+)
+FT_QUORUM_TIME = Metric(
+    "ft/quorum_s", "s", FT_QUORUM_STEP, "waiting for the quorum at the step's start (a heal's time included)"
+)
 RUN_RESUMED_FROM = Metric("run/resumed_from_step", "step", RESUME, "the checkpoint's step")
 RUN_RESTARTS = Metric("run/restarts", "", RESUME, "torchrun's restart count of this run")
 

@@ -22,6 +22,18 @@ class RunPlan:
     shard: int  # ranks per replica
     averaging: bool  # an averager runs: replicas train alone between averagings (post-local SGD, DiLoCo)
     resume_from: Path | None  # the checkpoint `checkpoint.resume` picks, None to start fresh
+    # fault_tolerance=torchft: this process's replica group, a world of `shard` ranks whose mesh is
+    # (1, shard); `replicate` counts the groups, joined by torchft's Manager. None: one world, the whole mesh
+    replica_id: int | None = None
+
+    @property
+    def group_world_size(self) -> int:
+        """The ranks of this process's world: the whole mesh, or one replica group."""
+        return self.world_size if self.replica_id is None else self.shard
+
+    def rank_in_mesh(self, rank: int) -> int:
+        """A rank of this world as a rank of the whole (replicate, shard) mesh."""
+        return rank if self.replica_id is None else self.replica_id * self.shard + rank
 
 
 def averager_configured(cfg: DictConfig) -> bool:

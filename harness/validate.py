@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from harness import lr_schedules, sinks
+from harness import fault_tolerance, lr_schedules, sinks
 from harness.averaging.schedule import synchronous
 from harness.components import target_class
 from harness.config import EXTRA_KEYS, ConfigError, Strategy
@@ -264,6 +264,7 @@ def _check_sharding_and_averager(cfg: DictConfig, world_size: int, local_world_s
         replicate, _ = mesh_shape(shard.strategy, shard.replicate, world_size, local_world_size)
     except ValueError as e:
         return errors + [str(e)]
+    errors += fault_tolerance.config_errors(cfg, replicate)
     if not averager_configured(cfg):
         return errors
     # the gradient hooks and checkpoints ask an averager `synchronous` and `diverged`: a ReplicaAverager's
@@ -274,7 +275,7 @@ def _check_sharding_and_averager(cfg: DictConfig, world_size: int, local_world_s
         "averager",
         ReplicaAverager,
         "harness.averaging.ReplicaAverager",
-        ("mesh", "traffic", "model"),
+        ("mesh", "traffic", "model", "link"),
         "none|periodic|hierarchical|diloco",
     )
     errors += target_errors

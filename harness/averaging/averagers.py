@@ -10,13 +10,13 @@ checkpoint read (`synchronous`, `diverged`).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.distributed.algorithms.model_averaging.averagers import ModelAverager
 from torch.distributed.device_mesh import DeviceMesh
 
 from harness import metrics
 from harness.averaging import config_rules, schedule
 from harness.averaging.collectives import average_local_shards, replica_subgroups
+from harness.averaging.link import MeshLink, ReplicaLink
 from harness.averaging.traffic import CrossReplicaTraffic
 
 
@@ -42,10 +42,13 @@ class ReplicaAverager(ModelAverager):
         mesh: DeviceMesh,
         traffic: CrossReplicaTraffic,
         comm_dtype: str = "float32",
+        link: ReplicaLink | None = None,
     ):
         super().__init__(mesh.get_group("replicate"))
         self.period, self.warmup_steps, self.traffic = period, warmup_steps, traffic
         self.comm_dtype = getattr(torch, str(comm_dtype))
+        # what crosses replicas: the mesh's replicate group, or torchft's Manager under fault tolerance
+        self.link = link or MeshLink(self.process_group)
 
     @property
     def synchronous(self) -> bool:
@@ -62,14 +65,19 @@ class ReplicaAverager(ModelAverager):
         """What a checkpoint keeps of this averager besides its step (DiLoCo's outer state); None here."""
         return None
 
-    def group_to_average(self) -> dist.ProcessGroup | None:
-        return self.process_group if schedule.periodic_due(self.step, self.warmup_steps, self.period) else None
+    def crosses_replicas(self) -> bool:
+        """The step being taken exchanges anything across replicas (its gradients, or a sync after it)."""
+        return self.synchronous or self.group_to_average() is not None
+
+    def group_to_average(self) -> ReplicaLink | None:
+        return self.link if schedule.periodic_due(self.step, self.warmup_steps, self.period) else None
 
     def average_parameters(self, params) -> None:
         group = self.group_to_average()
         if group is not None:
             time_s, self.traffic.averaging_bytes, drift = average_local_shards(params, group, self.comm_dtype)
-            self.traffic.averaged = {metrics.AVERAGER_DRIFT: drift, metrics.AVERAGER_TIME: time_s}
+            if drift is not None:  # None: a fault-tolerant sync that did not commit, so nothing was averaged
+                self.traffic.averaged = {metrics.AVERAGER_DRIFT: drift, metrics.AVERAGER_TIME: time_s}
         self.step += 1
 
 
@@ -88,8 +96,8 @@ class HierarchicalReplicaAverager(ReplicaAverager):
         comm_dtype: str = "float32",
     ):
         super().__init__(max(p for p, _ in period_group_size), warmup_steps, mesh, traffic, comm_dtype)
-        self.period_groups = {int(p): replica_subgroups(mesh, int(g)) for p, g in period_group_size}
+        self.period_groups = {int(p): MeshLink(replica_subgroups(mesh, int(g))) for p, g in period_group_size}
 
-    def group_to_average(self) -> dist.ProcessGroup | None:
+    def group_to_average(self) -> ReplicaLink | None:
         period = schedule.hierarchical_period(self.step, self.warmup_steps, self.period_groups)
         return None if period is None else self.period_groups[period]

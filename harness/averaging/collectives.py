@@ -10,39 +10,56 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from harness.averaging.link import ReplicaLink, as_link
 from harness.dist import local_view, synchronize
 
 BUCKET_BYTES = 64 * 2**20  # cap on one flat all-reduce buffer
 
 
 @torch.no_grad()
-def average_local_shards(params, group: dist.ProcessGroup, comm_dtype: torch.dtype) -> tuple[float, int, float]:
+def average_local_shards(
+    params, group: ReplicaLink | dist.ProcessGroup, comm_dtype: torch.dtype
+) -> tuple[float, int, float | None]:
     """Average the local shards of `params` (tensors or param groups) over `group`, in place.
 
     Returns (seconds, bytes sent, drift), where drift is how far the members
     had drifted apart just before: sqrt(sum ||x_r - mean||^2 / sum ||mean||^2)
     over every rank's shards, from the same buffers (one 2-float all-reduce).
+    A link that must commit (fault tolerance) gets the means applied only once
+    it has: until then they are kept aside (one more copy of the local shards),
+    and a drift of None says nothing was applied.
     """
+    link = as_link(group)
     tensors = [local_view(p) for p in _flatten(params)]
     device = tensors[0].device
     synchronize(device)  # the clock measures the averaging alone, finished
     start, nbytes = time.perf_counter(), 0
     deviation = torch.zeros(2, dtype=torch.float64, device=device)  # [sum dev^2, sum mean^2]
+    pending = []
     for indices in buckets(tensors):
         bucket = [tensors[i] for i in indices]
         local = torch.cat([t.reshape(-1) for t in bucket])
         mean = local.clone()
-        nbytes += mean_over_group(mean, group, comm_dtype)
+        nbytes += mean_over_group(mean, link, comm_dtype)
         deviation[0] += local.sub_(mean).pow_(2).sum()
         deviation[1] += mean.square().sum()
-        torch._foreach_copy_(bucket, [m.view_as(t) for m, t in zip(mean.split([t.numel() for t in bucket]), bucket)])
+        means = [m.view_as(t) for m, t in zip(mean.split([t.numel() for t in bucket]), bucket)]
+        if link.commits:
+            pending.append((bucket, means))
+        else:
+            torch._foreach_copy_(bucket, means)
     synchronize(device)
     elapsed = time.perf_counter() - start
     dist.all_reduce(deviation)
+    link.sum_over_replicas(deviation)
+    if not link.commit():
+        return elapsed, nbytes, None
+    for bucket, means in pending:
+        torch._foreach_copy_(bucket, means)
     return elapsed, nbytes, (deviation[0] / deviation[1].clamp_min(1e-30)).sqrt().item()
 
 
-def mean_over_group(flat: torch.Tensor, group: dist.ProcessGroup, comm_dtype: torch.dtype) -> int:
+def mean_over_group(flat: torch.Tensor, group: ReplicaLink | dist.ProcessGroup, comm_dtype: torch.dtype) -> int:
     """Replace the 1-D `flat` by its mean over `group`; returns the bytes sent.
 
     In its own dtype: one all-reduce. In a narrower `comm_dtype` (bf16): an
@@ -77,13 +94,16 @@ class MeanInFlight:
             self._stages.pop(0)()
 
 
-def start_mean_over_group(flat: torch.Tensor, group: dist.ProcessGroup, comm_dtype: torch.dtype) -> MeanInFlight:
+def start_mean_over_group(
+    flat: torch.Tensor, group: ReplicaLink | dist.ProcessGroup, comm_dtype: torch.dtype
+) -> MeanInFlight:
     """`mean_over_group`, started: its first collective is issued asynchronously (the
     whole all-reduce in the tensor's own dtype; the all-to-all of a narrower
     dtype, whose fp32 sum and all-gather run in `advance()` or `wait()`)."""
+    group = as_link(group)
     n = group.size()
     if comm_dtype == flat.dtype:
-        work = dist.all_reduce(flat, group=group, async_op=True)
+        work = group.all_reduce(flat)
 
         def finish() -> None:
             work.wait()
@@ -96,13 +116,13 @@ def start_mean_over_group(flat: torch.Tensor, group: dist.ProcessGroup, comm_dty
     sent = torch.zeros(chunk * n, dtype=comm_dtype, device=flat.device)
     sent[: flat.numel()].copy_(flat)
     received = torch.empty_like(sent)
-    works = [dist.all_to_all_single(received, sent, group=group, async_op=True)]
+    works = [group.all_to_all_single(received, sent)]
     kept: list[torch.Tensor] = []
 
     def gather_means() -> None:
         works[0].wait()
         mine = received.view(n, chunk).float().sum(0).div_(n).to(comm_dtype)
-        works[0] = dist.all_gather_into_tensor(sent, mine, group=group, async_op=True)
+        works[0] = group.all_gather_into_tensor(sent, mine)
         kept.append(mine)  # alive until its all-gather is done
 
     def finish() -> None:
@@ -132,7 +152,7 @@ def dequantize(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return values.float() * scales[:, None]
 
 
-def _start_mean_in_8_bits(flat: torch.Tensor, group: dist.ProcessGroup, dtype: torch.dtype) -> MeanInFlight:
+def _start_mean_in_8_bits(flat: torch.Tensor, group: ReplicaLink, dtype: torch.dtype) -> MeanInFlight:
     """`start_mean_over_group` with 8-bit values and per-block fp32 scales on the
     wire: each rank's chunk of every member's blocks (all-to-all), dequantised and
     summed in fp32, then the quantised means all-gathered. The bytes sent are the
@@ -145,8 +165,8 @@ def _start_mean_in_8_bits(flat: torch.Tensor, group: dist.ProcessGroup, dtype: t
     # as bytes: gloo has no 8-bit float type, and all-to-all moves bytes all the same
     got_values, got_scales = torch.empty_like(values), torch.empty_like(scales)
     works = [
-        dist.all_to_all_single(got_values.view(torch.uint8), values.view(torch.uint8), group=group, async_op=True),
-        dist.all_to_all_single(got_scales, scales, group=group, async_op=True),
+        group.all_to_all_single(got_values.view(torch.uint8), values.view(torch.uint8)),
+        group.all_to_all_single(got_scales, scales),
     ]
     kept: list[torch.Tensor] = []
 
@@ -156,10 +176,8 @@ def _start_mean_in_8_bits(flat: torch.Tensor, group: dist.ProcessGroup, dtype: t
         mine = dequantize(got_values, got_scales).view(n, per_rank).sum(0).div_(n)
         mine_values, mine_scales = quantize(mine.view(-1, QUANT_BLOCK), dtype)
         works[:] = [
-            dist.all_gather_into_tensor(
-                values.view(torch.uint8), mine_values.view(torch.uint8), group=group, async_op=True
-            ),
-            dist.all_gather_into_tensor(scales, mine_scales, group=group, async_op=True),
+            group.all_gather_into_tensor(values.view(torch.uint8), mine_values.view(torch.uint8)),
+            group.all_gather_into_tensor(scales, mine_scales),
         ]
         kept.extend([mine_values, mine_scales])  # alive until their all-gathers are done
 

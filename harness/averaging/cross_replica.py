@@ -16,20 +16,27 @@ from torch.distributed.optim import PostLocalSGDOptimizer
 
 from harness.averaging.averagers import ReplicaAverager
 from harness.averaging.hooks import count_synchronous_gradients, sync_gradients_during_warmup
+from harness.averaging.link import ReplicaLink
 from harness.averaging.traffic import CrossReplicaTraffic
 
 
 def setup_cross_replica(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, mesh: DeviceMesh, cfg: DictConfig, averaging: bool
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    mesh: DeviceMesh,
+    cfg: DictConfig,
+    averaging: bool,
+    link: ReplicaLink | None = None,
 ) -> tuple[torch.optim.Optimizer, CrossReplica | None]:
     """Wire gradient sync and parameter averaging across replicas for `cfg` (= cfg.averager);
-    `averaging`: the run's plan has an averager (`RunPlan.averaging`), else it is synchronous.
+    `averaging`: the run's plan has an averager (`RunPlan.averaging`), else it is synchronous;
+    `link`: the replicas' link when they are not on this mesh (fault tolerance).
 
     Returns the optimizer to step (PostLocalSGDOptimizer when averaging) and
     the object that reports this step's cross-replica figures, or None when
     the layout has a single replica (nothing crosses replicas).
     """
-    if mesh["replicate"].size() < 2:
+    if link is None and mesh["replicate"].size() < 2:
         return optimizer, None
     traffic = CrossReplicaTraffic()
     if not averaging:
@@ -39,7 +46,7 @@ def setup_cross_replica(
     # not recursive: nested configs (DiLoCo's outer optimizer) are the averager's to build
     build = instantiate(cfg, _partial_=True, _recursive_=False)
     wants_model = "model" in inspect.signature(build.func).parameters  # DiLoCo: its own copy of the parameters
-    averager = build(mesh=mesh, traffic=traffic, **({"model": model} if wants_model else {}))
+    averager = build(mesh=mesh, traffic=traffic, link=link, **({"model": model} if wants_model else {}))
     ddp_state = sync_gradients_during_warmup(model, mesh, averager, traffic)
     return PostLocalSGDOptimizer(optim=optimizer, averager=averager), CrossReplica(traffic, averager, ddp_state)
 
@@ -74,10 +81,13 @@ class CrossReplica:
 
     def state_dict(self) -> dict:
         part = self._averager_part
+        link = self.averager.link if self.averager is not None else None
         return {
             "averager_step": self.averager.step if self.averager is not None else None,
             "cross_replica_bytes_total": self.traffic.total_bytes,
             **({"averager": part.state_dict()} if part is not None else {}),
+            # torchft's Manager: its step counts committed exchanges, which decides who heals whom
+            **({"replica_link": link.state_dict()} if hasattr(link, "state_dict") else {}),
         }
 
     def tensor_state_dict(self) -> dict:
@@ -101,3 +111,5 @@ class CrossReplica:
             part = self._averager_part
             if part is not None:
                 part.load_state_dict(state.get("averager", {}))
+            if hasattr(self.averager.link, "load_state_dict") and "replica_link" in state:
+                self.averager.link.load_state_dict(state["replica_link"])

@@ -42,6 +42,7 @@ from harness import metrics
 from harness.averaging import config_rules, schedule
 from harness.averaging.averagers import ReplicaAverager
 from harness.averaging.collectives import MeanInFlight, buckets, mean_over_group, start_mean_over_group
+from harness.averaging.link import ReplicaLink
 from harness.averaging.traffic import CrossReplicaTraffic
 from harness.dist import local_view, synchronize
 from harness.optim import build_optimizer
@@ -68,15 +69,20 @@ class DiLoCoAverager(ReplicaAverager):
         outer_device: str = "device",
         sync_delay: int = 0,
         mix: float = 0.0,
+        link: ReplicaLink | None = None,
     ):
-        super().__init__(period, warmup_steps, mesh, traffic, comm_dtype)
+        super().__init__(period, warmup_steps, mesh, traffic, comm_dtype, link)
         module = model.module if isinstance(model, DistributedDataParallel) else model
-        self.outer = OuterState(module, outer_optimizer, outer_device, fragments, self.process_group)
+        self.outer = OuterState(module, outer_optimizer, outer_device, fragments, self.link)
         self.sync_delay, self.mix = sync_delay, mix
 
     @property
     def checkpoint_part(self) -> OuterState:
         return self.outer
+
+    def crosses_replicas(self) -> bool:
+        """A warmup step, or a step after which a fragment's sync starts (its quorum opens before the step)."""
+        return self.synchronous or self.fragment_due() is not None
 
     def fragment_due(self) -> int | None:
         """The fragment whose sync falls on this step, if any."""
@@ -108,7 +114,7 @@ class DiLoCoAverager(ReplicaAverager):
         """Form the fragment's pseudo-gradients and start averaging them across replicas
         (their bytes count on this step's row)."""
         start = time.perf_counter()
-        self.outer.start_sync(fragment, self.step + self.sync_delay, self.process_group, self.comm_dtype)
+        self.outer.start_sync(fragment, self.step + self.sync_delay, self.link, self.comm_dtype)
         self.outer.in_flight.blocked_s = time.perf_counter() - start
         self.traffic.averaging_bytes = sum(c.nbytes for c in self.outer.in_flight.collectives)
 
@@ -120,9 +126,12 @@ class DiLoCoAverager(ReplicaAverager):
         synchronize(device)
         start = time.perf_counter()
         sums = self.outer.finish_sync(self.mix)
+        if sums is None:  # a fault-tolerant sync that did not commit: dropped, θ_outer unchanged
+            return
         synchronize(device)
         dist.all_reduce(sums)  # over every rank: replicas repeat the mean, so divide those sums by the replica count
-        replicas = self.process_group.size()
+        self.link.sum_over_replicas(sums)
+        replicas = self.link.size()
         self.traffic.averaged = {
             metrics.AVERAGER_TIME: in_flight.blocked_s + time.perf_counter() - start,
             metrics.AVERAGER_PSEUDO_GRAD_NORM: (sums[2] / replicas).sqrt().item(),
@@ -171,7 +180,7 @@ def outer_step(
     local: list[torch.Tensor],
     outer: list[torch.Tensor],
     outer_optimizer: torch.optim.Optimizer,
-    group: dist.ProcessGroup,
+    group: ReplicaLink | dist.ProcessGroup,
     comm_dtype: torch.dtype,
 ) -> tuple[int, torch.Tensor]:
     """One DiLoCo sync of the tensors `local` (this rank's shards) and their
@@ -189,7 +198,10 @@ def outer_step(
 
 @torch.no_grad()
 def start_pseudo_gradient_mean(
-    local: list[torch.Tensor], outer: list[torch.Tensor], group: dist.ProcessGroup, comm_dtype: torch.dtype
+    local: list[torch.Tensor],
+    outer: list[torch.Tensor],
+    group: ReplicaLink | dist.ProcessGroup,
+    comm_dtype: torch.dtype,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[MeanInFlight]]:
     """`Δ = outer - local` per tensor, and its mean over `group` started, one bucket
     per collective. Returns (Δ, mean, collectives): per-tensor views of the flat
@@ -253,7 +265,7 @@ class OuterState:
         optimizer: DictConfig,
         device: str,
         fragments: int,
-        group: dist.ProcessGroup,
+        link: ReplicaLink,
     ):
         named = list(module.named_parameters())
         self.names, self.params = [n for n, _ in named], [p for _, p in named]
@@ -261,10 +273,10 @@ class OuterState:
         self.device = torch.device("cpu") if str(device) == "cpu" else param_device
         self.tensors = [local_view(p).detach().to(self.device, copy=True) for p in self.params]
         self.optimizer = build_optimizer(optimizer, self.tensors, self.device)
-        self.fragments, self.group = plan_fragments(module, fragments), group
+        self.fragments, self.link = plan_fragments(module, fragments), link
         self.in_flight: SyncInFlight | None = None
 
-    def start_sync(self, fragment: int, apply_step: int, group: dist.ProcessGroup, comm_dtype: torch.dtype) -> None:
+    def start_sync(self, fragment: int, apply_step: int, group: ReplicaLink, comm_dtype: torch.dtype) -> None:
         indices = self.fragments[fragment]
         local = [local_view(self.params[i]) for i in indices]
         deltas, means, collectives = start_pseudo_gradient_mean(
@@ -272,10 +284,13 @@ class OuterState:
         )
         self.in_flight = SyncInFlight(fragment, apply_step, indices, deltas, means, collectives)
 
-    def finish_sync(self, mix: float) -> torch.Tensor:
-        """Apply the sync in flight; returns the metric sums (`apply_outer_step`)."""
+    def finish_sync(self, mix: float) -> torch.Tensor | None:
+        """Apply the sync in flight; returns the metric sums (`apply_outer_step`), or None
+        when the link did not commit it (fault tolerance: a replica was lost on the way)."""
         sync, self.in_flight = self.in_flight, None
         sync.wait()
+        if not self.link.commit():
+            return None
         local = [local_view(self.params[i]) for i in sync.indices]
         outer = [self.tensors[i] for i in sync.indices]
         return apply_outer_step(local, outer, self.optimizer, sync.deltas, sync.means, mix)
@@ -346,7 +361,7 @@ class OuterState:
             self.set_from_params(range(len(self.params)))
             for bucket in buckets(self.tensors):
                 flat = torch.cat([self.tensors[i].reshape(-1) for i in bucket]).to(local_view(self.params[0]).device)
-                mean_over_group(flat, self.group, flat.dtype)
+                mean_over_group(flat, self.link, flat.dtype)
                 torch._foreach_copy_(
                     [self.tensors[i] for i in bucket],
                     [

@@ -13,7 +13,6 @@ time without one (then only counted).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 from torch.distributed.device_mesh import DeviceMesh
@@ -47,8 +46,8 @@ def sync_gradients_during_warmup(
 
     def fsdp_hook(reduce_output: torch.Tensor) -> None:
         if averager.synchronous:
-            dist.all_reduce(reduce_output, group=replicate_group)
-            reduce_output.div_(replicate_group.size())
+            averager.link.all_reduce(reduce_output).wait()
+            reduce_output.div_(averager.link.size())
             traffic.add_grad(reduce_output)
 
     for module in model.modules():

@@ -3,7 +3,8 @@
 failure to itself. One module per job: `argv` (the command line, before Hydra
 composes), `check` (the config against its world: validate, preflight, plan),
 `entry` (train.py's Hydra entry), `ranks` (starting local ranks, their
-failures), `logs`, `exit`."""
+failures), `replica_groups` (fault_tolerance=torchft: a lighthouse and a
+supervisor per replica group), `logs`, `exit`."""
 
 from harness.launch.argv import is_multirun, prepare_torchrun_rank, refuse_unwritable_run_dir
 from harness.launch.check import check_config, local_rank_count, start_method

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -11,6 +12,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from harness import fault_tolerance
 from harness.config import ConfigError
 from harness.dist import under_torchrun
 from harness.launch.check import check_config, local_rank_count, refuse
@@ -33,13 +35,25 @@ def start(cfg: DictConfig) -> dict | None:
     world_size = int(os.environ["WORLD_SIZE"]) if torchrun else local_rank_count(cfg)
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if torchrun else world_size
     try:
-        plan = check_config(cfg, world_size, local_world_size, run_dir, rank)
+        replica_id = None
+        if torchrun and fault_tolerance.enabled(cfg):  # this torchrun is one replica group of the mesh
+            replica_id, groups = fault_tolerance.torchrun_groups(cfg)
+            world_size *= groups
+        plan = dataclasses.replace(
+            check_config(cfg, world_size, local_world_size, run_dir, rank), replica_id=replica_id
+        )
     except ConfigError as e:
         refuse(e, world_size, rank)
         _remove_if_empty(run_dir)
         sys.exit(2)
     if torchrun or world_size == 1:
         train_or_exit(cfg, run_dir, plan)
+    elif fault_tolerance.enabled(cfg):
+        # imported here: its module is also each group supervisor's `python -m` entry
+        from harness.launch.replica_groups import start_replica_groups
+
+        if start_replica_groups(cfg, run_dir, plan) is not None:
+            sys.exit(1)
     elif start_local_ranks(cfg, run_dir, plan) is not None:
         sys.exit(1)
 

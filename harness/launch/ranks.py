@@ -59,10 +59,10 @@ def failure_summary(failures: dict[int, ProcessFailure]) -> str:
 
 
 def run_local_ranks(
-    entrypoint: Callable, args: tuple, nproc: int, start_method: str = "fork"
+    entrypoint: Callable, args: tuple, nproc: int, start_method: str = "fork", extra_env: dict | None = None
 ) -> dict[int, ProcessFailure]:
-    """Start `nproc` ranks of `entrypoint(*args)` with torchrun's environment,
-    wait, and stop the rest when one fails; the failures by rank ({} if none).
+    """Start `nproc` ranks of `entrypoint(*args)` with torchrun's environment (plus
+    `extra_env`), wait, and stop the rest when one fails; the failures by rank ({} if none).
 
     The elastic agent (`elastic_launch`) is not used here: it forks ranks while
     its own store-server thread serves the ranks already started, and c10d
@@ -82,6 +82,7 @@ def run_local_ranks(
             "GROUP_RANK": "0",
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
+            **(extra_env or {}),
         }
         for rank in range(nproc)
     }
@@ -118,7 +119,7 @@ def record_failure(reason: str) -> None:
 
 def rank_entrypoint(cfg: DictConfig, run_dir: Path, plan: RunPlan) -> None:
     """A locally started rank's process (in an importable module, for the launcher); it leaves like train.py."""
-    setup_logging(run_dir, int(os.environ["RANK"]))
+    setup_logging(run_dir, plan.rank_in_mesh(int(os.environ["RANK"])))
     with exit_now_when_done():
         train_or_exit(cfg, run_dir, plan)
 

@@ -1,0 +1,77 @@
+"""The replica link: everything that crosses replicas goes through one of these
+(docs/design.md#replica-groups-the-mesh-under-fault-tolerance).
+
+A link has a size (the replicas it joins now), the three collectives the
+averagers' `mean_over_group` uses, and two calls that bracket an exchange:
+`begin()` before a step whose end crosses replicas, `commit()` before its
+result is used. `MeshLink` is the mesh's replicate (sub)group: nothing to
+begin, always committed. `harness.fault_tolerance.TorchftLink` is torchft's
+Manager: a quorum, a process group that changes with it, and `should_commit`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+
+class Work(Protocol):
+    def wait(self) -> object: ...
+
+
+class ReplicaLink(Protocol):
+    commits: bool  # an exchange's result may be used only once `commit()` said so
+
+    def size(self) -> int: ...
+
+    def all_reduce(self, tensor: torch.Tensor) -> Work: ...
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor) -> Work: ...
+
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor) -> Work: ...
+
+    def sum_over_replicas(self, tensor: torch.Tensor) -> None:
+        """Sum a tensor already summed over this rank's world across the replicas the world does not hold."""
+
+    def begin(self) -> None: ...
+
+    def commit(self) -> bool: ...
+
+
+class MeshLink:
+    """Replicas that are ranks of one world: a process group of the mesh (its
+    replicate group, or a subgroup of it). The world holds every replica, so a
+    sum over the world already spans them."""
+
+    commits = False
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+
+    def size(self) -> int:
+        return self.group.size()
+
+    def all_reduce(self, tensor: torch.Tensor) -> Work:
+        return dist.all_reduce(tensor, group=self.group, async_op=True)
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor) -> Work:
+        return dist.all_to_all_single(output, input, group=self.group, async_op=True)
+
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor) -> Work:
+        return dist.all_gather_into_tensor(output, input, group=self.group, async_op=True)
+
+    def sum_over_replicas(self, tensor: torch.Tensor) -> None:
+        pass
+
+    def begin(self) -> None:
+        pass
+
+    def commit(self) -> bool:
+        return True
+
+
+def as_link(group: ReplicaLink | dist.ProcessGroup) -> ReplicaLink:
+    """A link, given a link or a process group of the mesh."""
+    return MeshLink(group) if isinstance(group, dist.ProcessGroup) else group

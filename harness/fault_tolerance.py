@@ -1,0 +1,387 @@
+"""Replica groups that survive each other, on torchft (`fault_tolerance=torchft`).
+
+Each replica of the mesh is a replica group: a world of its own whose mesh is
+(1 x shard); the `replicate` dimension is torchft's `Manager`
+(docs/design.md#replica-groups-the-mesh-under-fault-tolerance). Here:
+`config_errors` (the rules `validate` runs), `TorchftLink` (the replica link
+over the Manager: a quorum, its process group, `should_commit`) and
+`ReplicaGroup`, the trainer's side: it opens a quorum at the start of every
+step that crosses replicas, and gives and takes the heal state (the
+checkpoint parts, from memory).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions, ReduceOp
+from torch.distributed.tensor import DTensor
+
+from harness import metrics
+from harness.config import ConfigError
+from harness.dist import local_view
+from harness.rng import seed_rank
+
+log = logging.getLogger(__name__)
+
+NEEDS_TORCHFT = 'Fix: pip install -e ".[ft]" (torchft), or fault_tolerance=none.'
+REPLICA_GROUP_ID = "REPLICA_GROUP_ID"  # torchft's launcher convention: this rank's replica group
+NUM_REPLICA_GROUPS = "NUM_REPLICA_GROUPS"
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+
+
+def enabled(cfg: DictConfig) -> bool:
+    return cfg.get("fault_tolerance") is not None and cfg.fault_tolerance.mode == "torchft"
+
+
+def config_errors(cfg: DictConfig, replicas: int | None) -> list[str]:
+    """Why `cfg` cannot run fault-tolerant on `replicas` replica groups (None: the mesh is unknown)."""
+    if not enabled(cfg):
+        return []
+    ft, errors = cfg.fault_tolerance, []
+    if importlib.util.find_spec("torchft") is None:
+        errors.append(f"fault_tolerance=torchft needs the torchft package, which is not installed. {NEEDS_TORCHFT}")
+    if replicas is not None and replicas < 2:
+        errors.append(
+            f"fault_tolerance=torchft with {replicas} replica (sharding={cfg.sharding.strategy}): a replica group "
+            "survives only by its peers, so there must be at least 2. Fix: sharding=no_shard with 2 or more ranks, "
+            "or sharding=hybrid_shard sharding.replicate=2 (or more), or fault_tolerance=none."
+        )
+    if ft.min_replicas < 1 or (replicas is not None and ft.min_replicas > replicas):
+        errors.append(
+            f"fault_tolerance.min_replicas={ft.min_replicas} must be between 1 and the {replicas} replica groups: "
+            "with more, no quorum ever forms and training waits forever. Fix: fault_tolerance.min_replicas=1 "
+            "(survivors train on alone) up to the replica count."
+        )
+    if ft.lighthouse is not None:
+        url = urlparse(str(ft.lighthouse))
+        try:
+            port = url.port
+        except ValueError:
+            port = None
+        if url.scheme not in ("http", "https") or not url.hostname or port is None:
+            errors.append(
+                f"fault_tolerance.lighthouse={ft.lighthouse!r} is not a lighthouse URL (http://host:port). Fix: the "
+                "address torchft_lighthouse prints, e.g. fault_tolerance.lighthouse=http://node0:29510, or null to "
+                "have the launcher start one."
+            )
+    if cfg.sharding.strategy == "ddp":
+        errors.append(
+            "sharding=ddp with fault_tolerance=torchft: DDP's communication hook crosses replicas outside the "
+            "replica link. Fix: sharding=no_shard (FSDP2, one replica per rank) or hybrid_shard."
+        )
+    target = cfg.averager.get("_target_")
+    if target is None:
+        errors.append(
+            "averager=none with fault_tolerance=torchft: synchronous training crosses replicas at every step, so "
+            "one lost group stalls every step; replica groups pay off with local SGD. "
+            "Fix: averager=periodic or averager=diloco."
+        )
+    elif "Hierarchical" in str(target):
+        errors.append(
+            "averager=hierarchical with fault_tolerance=torchft: it averages within fixed subsets of replicas, "
+            "which a quorum that changes at run time cannot keep. Fix: averager=periodic or averager=diloco."
+        )
+    for key in ("quorum_timeout_s", "timeout_s", "heartbeat_timeout_s", "join_timeout_s"):
+        if not ft[key] > 0:
+            errors.append(f"fault_tolerance.{key}={ft[key]} must be positive. Fix: a number of seconds, e.g. 60.")
+    if ft.max_restarts < 0:
+        errors.append(f"fault_tolerance.max_restarts={ft.max_restarts} must be >= 0. Fix: 0 for no restarts.")
+    return errors
+
+
+def quiet_torchft() -> None:
+    """torchft logs every quorum and commit at INFO and warns at every reconfiguration on CPU (no NCCL
+    flight recorder): errors only (its Rust side through RUST_LOG), so a group's joins, leaves, heals
+    and failed exchanges are the harness's own log lines."""
+    os.environ.setdefault("RUST_LOG", "error")
+    for name in ("torchft", "torchft_commits", "torchft_quorums", "torchft_errors"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def group_outputs(cfg: DictConfig, run_dir: Path, replica_id: int) -> tuple[Path, Path | None]:
+    """A replica group's own outputs: `<run dir>/replica_group_<r>/` holds its metrics.jsonl,
+    W&B and TensorBoard runs and checkpoints (a group writes with its own world's ranks only,
+    and a dead group must not stop the others' logging or saving); returns that directory and
+    the checkpoint the group resumes from. `cfg.checkpoint.dir`, when set, gets the same suffix."""
+    from harness.checkpoint import resume_path
+
+    name = f"replica_group_{replica_id}"
+    (run_dir / name).mkdir(exist_ok=True)
+    if cfg.checkpoint.dir:
+        cfg.checkpoint.dir = str(Path(os.path.expanduser(cfg.checkpoint.dir)) / name)
+    return run_dir / name, resume_path(cfg.checkpoint, run_dir / name)
+
+
+def torchrun_groups(cfg: DictConfig) -> tuple[int, int]:
+    """Under torchrun, one torchrun is one replica group: (its replica id, the number of groups),
+    from `fault_tolerance.replica_id` or REPLICA_GROUP_ID, and NUM_REPLICA_GROUPS."""
+    replica_id = cfg.fault_tolerance.replica_id
+    if replica_id is None and REPLICA_GROUP_ID in os.environ:
+        replica_id = int(os.environ[REPLICA_GROUP_ID])
+    groups = int(os.environ.get(NUM_REPLICA_GROUPS, 0))
+    problems = []
+    if replica_id is None:
+        problems.append(f"no replica id (fault_tolerance.replica_id, or {REPLICA_GROUP_ID} in the environment)")
+    if groups < 2:
+        problems.append(f"{NUM_REPLICA_GROUPS}={os.environ.get(NUM_REPLICA_GROUPS)} (must be the replica groups, >= 2)")
+    elif replica_id is not None and not 0 <= replica_id < groups:
+        problems.append(f"replica id {replica_id} outside 0..{groups - 1}")
+    if problems:
+        raise ConfigError(
+            "fault_tolerance=torchft under torchrun: each torchrun is one replica group, but "
+            + "; ".join(problems)
+            + f". Fix: start every group's torchrun with {REPLICA_GROUP_ID}=<0..R-1> {NUM_REPLICA_GROUPS}=<R> and "
+            f"{LIGHTHOUSE_ENV}=<lighthouse URL> in its environment (docs/failures.md)."
+        )
+    return replica_id, groups
+
+
+class _Reported:
+    """A collective of the Manager's process group whose failure (a lost peer, a
+    timeout) is reported to the Manager instead of raised: the exchange then
+    does not commit, and the group trains on."""
+
+    def __init__(self, manager, start):
+        self.manager, self.work = manager, None
+        if manager.errored() is None:
+            try:
+                self.work = start()
+            except Exception as e:  # the group is broken: report, let the commit say no
+                self._report(e)
+
+    def wait(self) -> None:
+        if self.work is not None:
+            try:
+                self.work.wait()
+            except Exception as e:
+                self._report(e)
+            self.work = None
+
+    def _report(self, e: Exception) -> None:
+        log.warning("a cross-replica collective failed (%s: %s): this exchange will not commit", type(e).__name__, e)
+        self.manager.report_error(e)
+
+
+class TorchftLink:
+    """The replica link over torchft's Manager: the replicas are the replica groups in
+    the current quorum; `begin()` is a (synchronous) quorum, which heals this group
+    when it is behind; `commit()` is `should_commit`."""
+
+    commits = True
+
+    def __init__(self, ft: DictConfig, replica_id: int, group_rank: int, group_world_size: int, device: torch.device):
+        quiet_torchft()
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupBabyNCCL, ProcessGroupGloo
+
+        timeout = timedelta(seconds=ft.timeout_s)
+        self.pg = ProcessGroupBabyNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        lighthouse = ft.lighthouse or os.environ.get(LIGHTHOUSE_ENV)
+        self.manager = Manager(
+            pg=self.pg,
+            load_state_dict=None,
+            state_dict=None,
+            min_replica_size=ft.min_replicas,
+            use_async_quorum=False,  # a heal completes inside the quorum, before the step runs
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=ft.quorum_timeout_s),
+            connect_timeout=timeout,
+            rank=group_rank,
+            world_size=group_world_size,
+            lighthouse_addr=lighthouse,
+            replica_id=str(replica_id),
+            init_sync=False,  # every group starts from the same seeded weights
+        )
+
+    def size(self) -> int:
+        return self.manager.num_participants()
+
+    def all_reduce(self, tensor: torch.Tensor) -> _Reported:
+        opts = AllreduceOptions()
+        opts.reduceOp = ReduceOp.SUM
+        return _Reported(self.manager, lambda: self.pg.allreduce([tensor], opts))
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor) -> _Reported:
+        return _Reported(self.manager, lambda: self.pg.alltoall_base(output, input, [], [], AllToAllOptions()))
+
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor) -> _Reported:
+        return _Reported(
+            self.manager, lambda: self.pg.allgather_into_tensor_coalesced([output], [input], AllgatherOptions())
+        )
+
+    def sum_over_replicas(self, tensor: torch.Tensor) -> None:
+        self.all_reduce(tensor).wait()
+
+    def begin(self) -> None:
+        self.manager.start_quorum()
+
+    def commit(self) -> bool:
+        return self.manager.should_commit()
+
+    def state_dict(self) -> dict:
+        return self.manager.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.manager.load_state_dict(state)
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+class ReplicaGroup:
+    """One replica group's side of fault tolerance, for the Trainer: the quorum at
+    the start of each step that crosses replicas (and of the first step a group
+    runs, which is how a restarted group joins), the heal state, the ft/* metrics."""
+
+    def __init__(self, trainer, link: TorchftLink, replica_id: int, shard: int, seed: int):
+        self.trainer, self.link, self.replica_id = trainer, link, replica_id
+        self.shard, self.seed = shard, seed
+        self.heals, self.replicas, self.joined = 0, None, False
+        self.row: dict = {}
+        link.manager.register_state_dict_fn("harness", self._load_heal_state, self._heal_state)
+
+    def before_step(self) -> None:
+        """Open a quorum if the coming step crosses replicas (or is this group's first):
+        a heal here replaces every part of the job, the trainer's step included."""
+        averager = self.trainer.job.cross_replica.averager
+        if self.joined and not averager.crosses_replicas():
+            return
+        start, heals = time.perf_counter(), self.heals
+        self.link.begin()
+        replicas = self.link.size()
+        if self.replicas is not None and replicas != self.replicas:
+            change = "joined" if replicas > self.replicas else "left"
+            log.warning("replica group(s) %s: %d in the quorum (was %d)", change, replicas, self.replicas)
+        self.replicas, self.joined = replicas, True
+        self.row[metrics.FT_QUORUM_TIME] = time.perf_counter() - start
+        if self.heals > heals:
+            self.row[metrics.FT_HEAL_TIME] = self.row[metrics.FT_QUORUM_TIME]
+
+    def gradients_committed(self) -> bool:
+        """A warmup step's gradient exchange succeeded with enough replica groups (else the step is skipped)."""
+        return not self.trainer.job.cross_replica.averager.synchronous or self.link.commit()
+
+    def step_metrics(self) -> dict:
+        """This step's ft/* figures (the quorum's, if one opened), then reset."""
+        row, self.row = {**self.row, metrics.FT_REPLICAS: self.replicas or 0, metrics.FT_HEALS: self.heals}, {}
+        return row
+
+    def _heal_state(self) -> dict:
+        """What a live peer sends a group it heals: the job's state at the start of this step, as
+        local tensors (ranks with the same shard index hold the same slices), copied, because
+        the transfer reads them while this group trains on."""
+        state = self._state()
+        log.info("sending the heal state of step %d (digest %s)", state["step"], digest(state))
+        return state
+
+    def _state(self) -> dict:
+        from harness.checkpoint.checkpointer import tensor_state
+        from harness.checkpoint.replicas import inner_optimizer
+
+        job = self.trainer.job
+        parts = job.checkpoint_parts()
+        return _detached(
+            {
+                "step": self.trainer.state.step,
+                "model": {fqn: local_view(p) for fqn, p in job.model.named_parameters()},
+                "optim": get_optimizer_state_dict(job.model, inner_optimizer(job.optimizer)),
+                "parts": {name: part.state_dict() for name, part in parts.items()},
+                "part_tensors": {name: tensor_state(part) for name, part in parts.items()},
+            }
+        )
+
+    @torch.no_grad()
+    def _load_heal_state(self, state: dict) -> None:
+        """Take a peer's heal state: every value is the peer's, bit for bit; the data
+        position is global, so this group reads its own samples from it, and its RNG
+        is seeded from the step and its ranks."""
+        from harness.checkpoint.checkpointer import tensor_state
+        from harness.checkpoint.replicas import inner_optimizer
+
+        job, step = self.trainer.job, state["step"]
+        for fqn, p in job.model.named_parameters():
+            local_view(p).copy_(state["model"][fqn])
+        params = dict(job.model.named_parameters())
+        optim = _in_layout(state["optim"], params)
+        set_optimizer_state_dict(job.model, inner_optimizer(job.optimizer), optim)
+        parts = job.checkpoint_parts()
+        for name, part in parts.items():
+            part.load_state_dict({"step": step, **state["parts"][name]})
+        for name, part in parts.items():
+            tensors = tensor_state(part)
+            if tensors:
+                _copy_into(tensors, state["part_tensors"][name])
+                part.load_tensor_state_dict(tensors)
+        self.trainer.state.step = step
+        rank = self.replica_id * self.shard + dist.get_rank()
+        seed_rank(self.seed + step, rank)
+        self.heals += 1
+        # the digest of the state as this group now holds it, to compare with the sender's line
+        log.info("healed from a live peer at step %d (digest %s)", step, digest(self._state()))
+
+
+def digest(state) -> str:
+    """A short hash of a state tree's values, bit for bit (tensors by their bytes, in tree order)."""
+    h = hashlib.sha256()
+
+    def walk(value) -> None:
+        if isinstance(value, dict):
+            for key in sorted(value, key=str):
+                h.update(str(key).encode())
+                walk(value[key])
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                walk(item)
+        elif torch.is_tensor(value):
+            h.update(str(value.dtype).encode())
+            h.update(value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        else:
+            h.update(repr(value).encode())
+
+    walk(state)
+    return h.hexdigest()[:16]
+
+
+def _detached(state):
+    if isinstance(state, dict):
+        return {k: _detached(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_detached(v) for v in state)
+    if torch.is_tensor(state):
+        return local_view(state).detach().clone()
+    return state
+
+
+def _in_layout(optim: dict, params: dict) -> dict:
+    """A sent optimizer state dict (local tensors) with each parameter-shaped state
+    laid out as its parameter (DTensors under FSDP2), for `set_optimizer_state_dict`."""
+    state = {}
+    for fqn, values in optim["state"].items():
+        p = params[fqn]
+        state[fqn] = {
+            k: DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+            if isinstance(p, DTensor) and torch.is_tensor(v) and v.shape == local_view(p).shape and v.dim() > 0
+            else v
+            for k, v in values.items()
+        }
+    return {"state": state, "param_groups": optim["param_groups"]}
+
+
+def _copy_into(target: dict, sent: dict) -> None:
+    for key, value in target.items():
+        if isinstance(value, dict):
+            _copy_into(value, sent[key])
+        elif torch.is_tensor(value):
+            local_view(value).copy_(sent[key])

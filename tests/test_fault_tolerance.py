@@ -1,0 +1,126 @@
+"""Replica groups that survive each other (`fault_tolerance=torchft`): a real
+torchft lighthouse and Managers, real replica groups as processes, real SIGKILLs
+sent to a group's rank found by its REPLICA_GROUP_ID, as an external fault
+injector would."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from support import TRAIN, base_env, check_ok, read_metrics
+
+FT = [
+    "fault_tolerance=torchft",
+    "launcher.nproc=2",
+    "sharding=no_shard",
+    "model=mlp",
+    "train.batch_size=4",
+    "train.seq_len=16",
+    "train.log_every=1",
+    "train.steps=120",
+    "optimizer=adamw",
+]
+AVERAGERS = {
+    "periodic": ["averager=periodic", "averager.warmup_steps=4", "averager.period=4"],
+    "streaming_diloco": [
+        "averager=diloco",
+        "averager.warmup_steps=4",
+        "averager.period=8",
+        "averager.fragments=2",
+        "averager.sync_delay=1",
+    ],
+}
+
+
+def group_ranks(group: int) -> list[int]:
+    """Pids of the training ranks of replica group `group`, found as an external fault injector
+    would: by REPLICA_GROUP_ID in their environment (/proc/<pid>/environ); the ranks are the
+    processes that have it and whose parent (the group's supervisor) has it too."""
+
+    def in_group(pid: str) -> bool:
+        try:
+            return f"REPLICA_GROUP_ID={group}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            return False
+
+    def parent(pid: str) -> str:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and in_group(entry.name) and in_group(parent(entry.name)):
+                pids.append(int(entry.name))
+        except OSError:  # gone meanwhile
+            continue
+    return pids
+
+
+def wait_for_step(rows_file: Path, step: int, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if rows_file.exists() and any(f'"step": {step},' in line for line in rows_file.read_text().splitlines()):
+            return
+        assert proc.poll() is None, f"the run ended before step {step}:\n{proc.communicate()[1][-3000:]}"
+        time.sleep(0.2)
+    raise AssertionError(f"no step {step} in {rows_file} within {timeout} s")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("averager", sorted(AVERAGERS))
+def test_a_killed_replica_group_heals_while_the_other_trains_on(tmp_path, averager):
+    """Group 1's rank is SIGKILLed mid-run: group 0 never stops or redoes a step (one row per
+    step, no resume, no long wait); group 1 alone is restarted, heals from group 0 at a quorum
+    and then holds bit for bit the state group 0 sent; both finish, in one run that exits 0."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, str(TRAIN), *FT, *AVERAGERS[averager], f"hydra.run.dir={run_dir}"],
+        env=base_env(tmp_path),
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for_step(run_dir / "replica_group_1" / "metrics.jsonl", 12, proc, timeout=240)
+        victims = group_ranks(1)
+        assert victims, "no rank of replica group 1 found by REPLICA_GROUP_ID"
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    check_ok(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+    assert "replica group 1 failed" in stderr and "restarting it" in stderr
+
+    survivor = read_metrics(run_dir / "replica_group_0")
+    steps = [row["step"] for row in survivor]
+    assert steps == sorted(set(steps)) and steps[-1] == 120, "the survivor redid or skipped a step"
+    assert all("run/resumed_from_step" not in row for row in survivor)
+    assert survivor[-1]["ft/heals"] == 0 and survivor[-1]["ft/replicas"] == 2
+    # around the failure the survivor waits at most for the lighthouse to give up on the dead group
+    # (heartbeat_timeout_s, 5 s) or to see it back, not for a restart of its own
+    slowest = max(row.get("ft/quorum_s", 0.0) for row in survivor)
+    assert slowest < 60, f"the survivor waited {slowest:.1f} s at a quorum"
+
+    healed = read_metrics(run_dir / "replica_group_1")
+    assert healed[-1]["ft/heals"] >= 1 and healed[-1]["step"] == 120
+    assert any("ft/heal_s" in row for row in healed)
+
+    # heal exactness: the digest of what group 0 sent equals the digest of group 1's state after loading it
+    logs = (run_dir / "train.log").read_text() + (run_dir / "logs" / "rank1.log").read_text()
+    sent = dict(re.findall(r"sending the heal state of step (\d+) \(digest (\w+)\)", logs))
+    received = re.findall(r"healed from a live peer at step (\d+) \(digest (\w+)\)", logs)
+    assert received, "group 1 logged no heal"
+    for step, value in received:
+        assert sent.get(step) == value, f"heal at step {step}: sent {sent.get(step)}, holds {value}"
