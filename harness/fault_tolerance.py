@@ -148,6 +148,17 @@ def torchrun_groups(cfg: DictConfig) -> tuple[int, int]:
     return replica_id, groups
 
 
+def check_group_world(plan, group_world_size: int) -> None:
+    """A torchrun's ranks must be exactly one replica of the mesh."""
+    if plan.shard != group_world_size:
+        raise ConfigError(
+            f"fault_tolerance=torchft under torchrun: this torchrun has {group_world_size} ranks, but the mesh "
+            f"({plan.replicate} replicas x {plan.shard} ranks over {plan.world_size}) has replicas of {plan.shard}; "
+            "each torchrun must be one replica group. Fix: sharding=no_shard for one rank per group, or "
+            "sharding=hybrid_shard with sharding.replicate=null (one replica per torchrun)."
+        )
+
+
 class _Reported:
     """A collective of the Manager's process group whose failure (a lost peer, a
     timeout) is reported to the Manager instead of raised: the exchange then
@@ -174,6 +185,21 @@ class _Reported:
         self.manager.report_error(e)
 
 
+def forget_previous_manager(group_rank: int) -> None:
+    """The Manager publishes its address in the group's rendezvous store; torchrun keeps that store
+    across its restarts, so a restarted group would find the dead attempt's address there. The
+    group's first rank deletes it before any rank creates its Manager."""
+    from torchft.manager import MANAGER_ADDR_KEY, REPLICA_ID_KEY
+
+    if group_rank == 0:
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, wait_for_workers=False
+        )
+        for key in (MANAGER_ADDR_KEY, REPLICA_ID_KEY):
+            store.delete_key(key)
+    dist.barrier()
+
+
 class TorchftLink:
     """The replica link over torchft's Manager: the replicas are the replica groups in
     the current quorum; `begin()` is a (synchronous) quorum, which heals this group
@@ -186,6 +212,7 @@ class TorchftLink:
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupBabyNCCL, ProcessGroupGloo
 
+        forget_previous_manager(group_rank)
         timeout = timedelta(seconds=ft.timeout_s)
         self.pg = ProcessGroupBabyNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
         lighthouse = ft.lighthouse or os.environ.get(LIGHTHOUSE_ENV)

@@ -124,3 +124,46 @@ def test_a_killed_replica_group_heals_while_the_other_trains_on(tmp_path, averag
     assert received, "group 1 logged no heal"
     for step, value in received:
         assert sent.get(step) == value, f"heal at step {step}: sent {sent.get(step)}, holds {value}"
+
+
+def start_torchrun_group(group: int, groups: int, lighthouse: str, args: list[str], env: dict, cwd: Path):
+    """One replica group as its own `torchrun` (its own rendezvous), as on another machine."""
+    env = {**env, "REPLICA_GROUP_ID": str(group), "NUM_REPLICA_GROUPS": str(groups), "TORCHFT_LIGHTHOUSE": lighthouse}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--max-restarts", "1"]
+    cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", str(TRAIN), *args]
+    return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def run_torchrun_groups(steps: int, run_dir: Path, tmp_path: Path) -> None:
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=10000)
+    args = [a for a in FT if not a.startswith(("launcher.", "train.steps"))] + AVERAGERS["periodic"]
+    args += [f"train.steps={steps}", "checkpoint=sharded", "checkpoint.interval=8", f"hydra.run.dir={run_dir}"]
+    try:
+        groups = [start_torchrun_group(g, 2, lighthouse.address(), args, base_env(tmp_path), tmp_path) for g in (0, 1)]
+        for group in groups:
+            stdout, stderr = group.communicate(timeout=400)
+            check_ok(subprocess.CompletedProcess(group.args, group.returncode, stdout, stderr))
+    finally:
+        lighthouse.shutdown()
+
+
+@pytest.mark.slow
+def test_two_torchrun_groups_share_a_lighthouse_and_a_whole_job_restart_resumes(tmp_path):
+    """The multi-node form on one host: one lighthouse, one torchrun per replica group. The job
+    stopped after 16 steps and started again (lighthouse and all) resumes each group from its own
+    newest checkpoint and ends where the uninterrupted job ends, loss for loss."""
+    whole, restarted = tmp_path / "whole", tmp_path / "restarted"
+    run_torchrun_groups(24, whole, tmp_path)
+    run_torchrun_groups(16, restarted, tmp_path)
+    run_torchrun_groups(24, restarted, tmp_path)
+    for group in (0, 1):
+        rows = read_metrics(restarted / f"replica_group_{group}")
+        assert [r["run/resumed_from_step"] for r in rows if "run/resumed_from_step" in r] == [16]
+        assert rows[-1]["ft/replicas"] == 2 and rows[-1]["ft/heals"] == 0
+        expected = {
+            r["step"]: r["train/loss"] for r in read_metrics(whole / f"replica_group_{group}") if "train/loss" in r
+        }
+        resumed = {r["step"]: r["train/loss"] for r in rows if "train/loss" in r and r["step"] > 16}
+        assert resumed == {s: expected[s] for s in range(17, 25)}

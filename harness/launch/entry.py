@@ -39,9 +39,10 @@ def start(cfg: DictConfig) -> dict | None:
         if torchrun and fault_tolerance.enabled(cfg):  # this torchrun is one replica group of the mesh
             replica_id, groups = fault_tolerance.torchrun_groups(cfg)
             world_size *= groups
-        plan = dataclasses.replace(
-            check_config(cfg, world_size, local_world_size, run_dir, rank), replica_id=replica_id
-        )
+        plan = check_config(cfg, world_size, local_world_size, run_dir, rank)
+        if replica_id is not None:
+            fault_tolerance.check_group_world(plan, world_size // groups)
+            plan = dataclasses.replace(plan, replica_id=replica_id)
     except ConfigError as e:
         refuse(e, world_size, rank)
         _remove_if_empty(run_dir)
