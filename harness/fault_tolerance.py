@@ -13,7 +13,6 @@ checkpoint parts, from memory).
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import logging
 import os
 import time
@@ -50,8 +49,12 @@ def config_errors(cfg: DictConfig, replicas: int | None) -> list[str]:
     if not enabled(cfg):
         return []
     ft, errors = cfg.fault_tolerance, []
-    if importlib.util.find_spec("torchft") is None:
-        errors.append(f"fault_tolerance=torchft needs the torchft package, which is not installed. {NEEDS_TORCHFT}")
+    try:
+        import torchft  # noqa: F401
+    except ImportError as e:
+        errors.append(
+            f"fault_tolerance=torchft needs the torchft package, which does not import ({e}). {NEEDS_TORCHFT}"
+        )
     if replicas is not None and replicas < 2:
         errors.append(
             f"fault_tolerance=torchft with {replicas} replica (sharding={cfg.sharding.strategy}): a replica group "
@@ -185,6 +188,10 @@ class _Reported:
         self.manager.report_error(e)
 
 
+class LighthouseUnreachable(RuntimeError):
+    """The lighthouse did not answer; the message names it and the fix (no restart helps)."""
+
+
 def forget_previous_manager(group_rank: int) -> None:
     """The Manager publishes its address in the group's rendezvous store; torchrun keeps that store
     across its restarts, so a restarted group would find the dead attempt's address there. The
@@ -216,21 +223,31 @@ class TorchftLink:
         timeout = timedelta(seconds=ft.timeout_s)
         self.pg = ProcessGroupBabyNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
         lighthouse = ft.lighthouse or os.environ.get(LIGHTHOUSE_ENV)
-        self.manager = Manager(
-            pg=self.pg,
-            load_state_dict=None,
-            state_dict=None,
-            min_replica_size=ft.min_replicas,
-            use_async_quorum=False,  # a heal completes inside the quorum, before the step runs
-            timeout=timeout,
-            quorum_timeout=timedelta(seconds=ft.quorum_timeout_s),
-            connect_timeout=timeout,
-            rank=group_rank,
-            world_size=group_world_size,
-            lighthouse_addr=lighthouse,
-            replica_id=str(replica_id),
-            init_sync=False,  # every group starts from the same seeded weights
-        )
+        try:
+            self.manager = Manager(
+                pg=self.pg,
+                load_state_dict=None,
+                state_dict=None,
+                min_replica_size=ft.min_replicas,
+                use_async_quorum=False,  # a heal completes inside the quorum, before the step runs
+                timeout=timeout,
+                quorum_timeout=timedelta(seconds=ft.quorum_timeout_s),
+                connect_timeout=timeout,
+                rank=group_rank,
+                world_size=group_world_size,
+                lighthouse_addr=lighthouse,
+                replica_id=str(replica_id),
+                init_sync=False,  # every group starts from the same seeded weights
+            )
+        except RuntimeError as e:
+            if "failed to connect" not in str(e):
+                raise
+            raise LighthouseUnreachable(
+                f"fault_tolerance: the torchft lighthouse at {lighthouse} (fault_tolerance.lighthouse, or "
+                f"{LIGHTHOUSE_ENV}) did not answer within fault_tolerance.timeout_s={ft.timeout_s} s "
+                f"({str(e).split(';')[0]}). Fix: start it (torchft_lighthouse --min_replicas 1) and pass the "
+                "address it prints, or leave fault_tolerance.lighthouse=null to have the launcher start one."
+            ) from None
 
     def size(self) -> int:
         return self.manager.num_participants()

@@ -85,6 +85,22 @@ CASES = [
         ["{run}/checkpoints already holds checkpoints (step_5)", "Fix:"],
     ),
     ("unwritable run dir", ["hydra.run.dir={tmp}/a_file/run"], ["a_file is not a writable directory", "Fix:"]),
+    ("ft with one replica", ["fault_tolerance=torchft", "sharding=full_shard"], ["survives only by its peers", "Fix:"]),
+    (
+        "ft quorum above the groups",
+        ["fault_tolerance=torchft", "sharding=no_shard", "fault_tolerance.min_replicas=3"],
+        ["fault_tolerance.min_replicas=3 must be between 1 and the 2 replica groups", "Fix:"],
+    ),
+    (
+        "ft lighthouse not a url",
+        ["fault_tolerance=torchft", "sharding=no_shard", "fault_tolerance.lighthouse=node0:29510"],
+        ["fault_tolerance.lighthouse='node0:29510' is not a lighthouse URL", "Fix:"],
+    ),
+    (
+        "ft without torchft",  # a torchft on PYTHONPATH that fails to import, as a missing one does
+        ["fault_tolerance=torchft", "sharding=no_shard"],
+        ["needs the torchft package", 'pip install -e ".[ft]"'],
+    ),
 ]
 
 
@@ -102,6 +118,12 @@ def test_bad_input_fails_clearly_and_writes_nothing(name, overrides, expected, t
     fake_checkpoint(tmp_path / "deep" / "step_5", n_layer=8)
     if name == "resume=never over checkpoints":
         fake_checkpoint(run / "checkpoints" / "step_5")
+    if name == "ft without torchft":
+        (tmp_path / "shadow" / "torchft").mkdir(parents=True)
+        (tmp_path / "shadow" / "torchft" / "__init__.py").write_text(
+            "raise ImportError(\"No module named 'torchft'\")\n"
+        )
+        cli_env = {**cli_env, "PYTHONPATH": f"{tmp_path / 'shadow'}:{cli_env.get('PYTHONPATH', '')}"}
     before = snapshot(tmp_path)
     args = [o.format(tmp=tmp_path, run=run) for o in overrides]
     if not any(a.startswith("hydra.run.dir=") for a in args):

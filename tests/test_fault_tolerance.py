@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -167,3 +168,26 @@ def test_two_torchrun_groups_share_a_lighthouse_and_a_whole_job_restart_resumes(
         }
         resumed = {r["step"]: r["train/loss"] for r in rows if "train/loss" in r and r["step"] > 16}
         assert resumed == {s: expected[s] for s in range(17, 25)}
+
+
+@pytest.mark.slow
+def test_an_unreachable_lighthouse_fails_within_its_timeout_naming_it(tmp_path):
+    """No lighthouse at the URL: each group fails within fault_tolerance.timeout_s with one message
+    naming the lighthouse and the fix, and is not restarted (no restart mends a setting)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens there once closed
+    args = [*FT, "train.steps=4", f"fault_tolerance.lighthouse={url}", "fault_tolerance.timeout_s=5"]
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, str(TRAIN), *args, f"hydra.run.dir={tmp_path / 'run'}"],
+        env=base_env(tmp_path),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode != 0
+    assert f"the torchft lighthouse at {url}" in proc.stderr and "did not answer within" in proc.stderr
+    assert "restarting it" not in proc.stderr and "cannot run" in proc.stderr
+    assert time.monotonic() - start < 240

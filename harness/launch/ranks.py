@@ -20,6 +20,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_pr
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from harness.checkpoint import CheckpointError
+from harness.fault_tolerance import LighthouseUnreachable
 from harness.launch.check import start_method
 from harness.launch.exit import exit_now_when_done
 from harness.launch.logs import setup_logging
@@ -128,6 +129,10 @@ def train_or_exit(cfg: DictConfig, run_dir: Path, plan: RunPlan) -> None:
     """`run_rank`, with the failures a user can act on reported as one message and exit 1."""
     try:
         run_rank(cfg, run_dir, plan)
+    except LighthouseUnreachable as e:  # exit 2: a setting to fix, which no restart of the group mends
+        log.error("%s", e)
+        record_failure(str(e))
+        sys.exit(2)
     except (CheckpointError, NonFiniteLossError) as e:
         # with its cause's traceback when it wraps one (a failed save or load), so a bug is not taken for a full disk
         log.error("%s", e, exc_info=e.__cause__ is not None)

@@ -79,10 +79,18 @@ def start_replica_groups(cfg: DictConfig, run_dir: Path, plan: RunPlan) -> str |
                 supervisor.wait()
         if lighthouse is not None:
             lighthouse.shutdown()
-    failed = [replica for replica, code in enumerate(codes) if code != 0]
-    if not failed:
+    if not any(codes):
         return None
-    summary = f"replica group(s) {failed} exhausted fault_tolerance.max_restarts={ft.max_restarts}"
+    summary = "; ".join(
+        f"replica group {replica} "
+        + (
+            "cannot run (its reason is above)"
+            if code == 2
+            else f"exhausted fault_tolerance.max_restarts={ft.max_restarts}"
+        )
+        for replica, code in enumerate(codes)
+        if code
+    )
     log.error("training failed: %s; see %s/train.log and %s/logs/", summary, run_dir, run_dir)
     return summary
 
@@ -96,6 +104,9 @@ def supervise(cfg: DictConfig, run_dir: Path, plan: RunPlan) -> int:
         if not failures:
             return 0
         why = failure_summary(failures)
+        if all(f.exitcode == 2 for f in failures.values()):  # a setting to fix (the lighthouse): no restart mends it
+            print(f"harness: replica group {replica} cannot run: {why}", file=sys.stderr, flush=True)
+            return 2
         more = (
             f"restarting it ({attempt + 1} of {restarts}); the other groups train on"
             if attempt < restarts
