@@ -297,6 +297,53 @@ def report_run(run_dir: Path, out: Path) -> list[Path]:
     return [out / "run.png", out / "summary.md", out / "summary.csv"]
 
 
+def replica_group_dirs(run_dir: Path) -> list[Path]:
+    """A fault-tolerant run's groups (fault_tolerance=torchft): each logs into replica_group_<r>/."""
+    dirs = [p for p in run_dir.glob("replica_group_*") if (p / "metrics.jsonl").exists()]
+    return sorted(dirs, key=lambda p: int(p.name.rsplit("_", 1)[1]))
+
+
+def report_replica_groups(run_dir: Path, out: Path) -> list[Path]:
+    """A fault-tolerant run: one table line per replica group, and its quorum and loss over steps."""
+    config = read_run(run_dir).config
+    runs = []
+    for group_dir in replica_group_dirs(run_dir):
+        run = read_run(group_dir)
+        run.config, run.name = config, group_dir.name
+        runs.append(run)
+    lines = [
+        {
+            **summarize(run),
+            "heals": run.last(metrics.FT_HEALS),
+            "fewest groups in a quorum": min(run.series(metrics.FT_REPLICAS)[1], default=None),
+        }
+        for run in runs
+    ]
+    write_tables(lines, out, "summary")
+    plot_replica_groups(runs, out / "replica_groups.png", run_dir.name)
+    print(markdown_table(lines), end="")
+    return [out / "replica_groups.png", out / "summary.md", out / "summary.csv"]
+
+
+def plot_replica_groups(runs: list[Run], path: Path, title: str) -> None:
+    fig, (ax_quorum, ax_loss) = plt.subplots(2, 1, figsize=(11, 8), sharex=True)
+    fig.suptitle(f"{title}: replica groups (fault_tolerance=torchft)", fontsize=11)
+    for i, run in enumerate(runs):
+        steps, replicas = run.series(metrics.FT_REPLICAS)
+        # offset a little per group, so groups with the same quorum stay visible
+        ax_quorum.step(steps, [r + 0.04 * i for r in replicas], where="post", color=f"C{i}", label=run.name)
+        healed = [row["step"] for row in run.rows if metrics.FT_HEAL_TIME in row]
+        if healed:
+            ax_quorum.plot(healed, [0.5] * len(healed), "v", color=f"C{i}", label=f"{run.name} healed")
+        ax_loss.plot(*run.series(metrics.TRAIN_LOSS), color=f"C{i}", label=run.name)
+    ax_quorum.set_ylim(bottom=0)
+    _labels(ax_quorum, "Replica groups in each group's last quorum (ft/replicas); ▼ = healed", "step", "groups")
+    _labels(ax_loss, "Training loss per group (its logged rows)", "step", "loss (cross-entropy, nats)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def report_sweep(sweep_dir: Path, out: Path) -> list[Path]:
     runs = [read_run(path) for path in job_dirs(sweep_dir)]
     lines = [summarize(run) for run in runs]
@@ -315,8 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="where to write (default: <dir>/report)")
     args = parser.parse_args(argv)
     path = args.dir
+    groups = path.is_dir() and bool(replica_group_dirs(path))
     is_run = (path / "metrics.jsonl").exists()
-    if not path.is_dir() or not (is_run or job_dirs(path)):
+    if not path.is_dir() or not (is_run or groups or job_dirs(path)):
         print(
             f"harness.report: {str(path)!r} is neither a run dir (with metrics.jsonl) nor a sweep dir (with job "
             "dirs holding metrics.jsonl or result.json). Fix: pass outputs/<date>/<time> for a run or "
@@ -326,7 +374,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = args.out or path / "report"
     out.mkdir(parents=True, exist_ok=True)
-    written = report_run(path, out) if is_run else report_sweep(path, out)
+    if groups:
+        written = report_replica_groups(path, out)
+    else:
+        written = report_run(path, out) if is_run else report_sweep(path, out)
     print("wrote " + ", ".join(str(p) for p in written))
     return 0
 
