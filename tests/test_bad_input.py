@@ -57,6 +57,7 @@ CASES = [
     ),
     ("averaging with one replica", ["sharding=full_shard"], ["averages parameters across", "1 replica", "Fix:"]),
     ("too many ranks", ["launcher.nproc=1000"], ["launcher.nproc=1000", "Fix:"]),
+    ("no ranks", ["launcher.nproc=0"], ["launcher.nproc=0 is out of range", "Fix:"]),
     ("heads not dividing width", ["model.n_head=3"], ["model.d_model=128 is not divisible by model.n_head=3", "Fix:"]),
     ("cuda without cuda", ["train.device=cuda"], ["train.device=cuda", "Fix:"]),
     ("async full checkpoint", ["checkpoint=full", "checkpoint.async=true"], ["needs checkpoint=sharded", "Fix:"]),
