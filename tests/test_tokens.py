@@ -180,6 +180,9 @@ def break_dataset(out: Path, case: str) -> None:
     elif case == "index not matching":
         index["train"][0]["tokens"] += 1
         (out / "index.json").write_text(json.dumps(index))
+    elif case == "nanogpt ids above the vocabulary":
+        (np.arange(1000, dtype=np.uint16) % 300).tofile(out / "train.bin")
+        np.arange(100, dtype=np.uint16).tofile(out / "val.bin")
     elif case == "dtype too small":
         index["vocab_size"] = 70000
         (out / "index.json").write_text(json.dumps(index))
@@ -190,6 +193,11 @@ LOADER_CASES = [
     ("index not matching", [], ["shard train_00000.bin holds", "its index says", "Fix:"]),
     ("dtype too small", ["model.vocab_size=70016"], ["its shards are uint16", "cannot hold token ids up to 69999"]),
     ("vocabulary", ["model.vocab_size=256"], ["holds token ids up to 299", "Fix: model.vocab_size=300"]),
+    (
+        "nanogpt ids above the vocabulary",
+        ["data.format=nanogpt", "model.vocab_size=256"],
+        ["train.bin holds token ids up to 299, more than model.vocab_size=256", "Fix: model.vocab_size=300 or more"],
+    ),
 ]
 
 
