@@ -224,22 +224,56 @@ PREPARE_CASES = [
     ("text field missing", ["text_field=content"], ["text_field='content' is not a field", "body", "Fix:"]),
     ("empty corpus", ["input=[{root}/empty/*.txt]"], ["holds no text", "Fix:"]),
     ("another tokenizer", ["vocab_size=280"], ["holds shards prepared with other settings", "vocab_size", "Fix:"]),
+    ("out inside a file", ["out={tmp}/a_file/data"], ["out='{tmp}/a_file/data' is inside", "a file", "Fix:"]),
+    (
+        "a binary input",
+        ["input=[{root}/txt/*.txt,{root}/mixed/*]"],
+        ["{root}/mixed/blob.txt (byte 0x80 near offset 128 is not UTF-8)", "Fix:", "skip_undecodable=true"],
+    ),
+    ("BPE below the bytes", ["vocab_size=10"], ["vocab_size=10 is below", "257 tokens", "Fix: vocab_size=257"]),
+    ("not a tokenizer", ["tokenizer={root}/records.jsonl"], ["is not a Hugging Face tokenizers file", "Fix:"]),
+    (
+        "eot not in the tokenizer",
+        ["tokenizer={out}/tokenizer.json", "eot_token='</s>'"],
+        ["eot_token='</s>' is not a token", "its special tokens: <|endoftext|>", "Fix:"],
+    ),
 ]
+
+
+def write_mixed(root: Path) -> None:
+    """A folder of one text file and one binary file (every byte value) named .txt."""
+    (root / "mixed").mkdir(exist_ok=True)
+    (root / "mixed" / "notes.txt").write_text("plain text " * 20)
+    (root / "mixed" / "blob.txt").write_bytes(bytes(range(256)) * 4)
 
 
 @pytest.mark.parametrize("case,overrides,expected", PREPARE_CASES, ids=[c[0] for c in PREPARE_CASES])
 def test_bad_prepare_input_is_refused_with_the_fix(dataset, tmp_path, case, overrides, expected):
+    """Refused before anything is written: `out` is not created (nor changed, when it exists)."""
     root, out, _ = dataset
     (root / "empty").mkdir(exist_ok=True)
     (root / "empty" / "blank.txt").write_text("")
+    write_mixed(root)
+    (tmp_path / "a_file").write_text("not a folder")
     target = tmp_path / "out" if case != "another tokenizer" else out
-    before = file_bytes(out)
+    before, files_before = file_bytes(out), sorted(tmp_path.rglob("*"))
     with pytest.raises(ConfigError) as info:
-        prepare(prepare_cfg(root, target, *[o.format(root=root) for o in overrides]))
+        prepare(prepare_cfg(root, target, *[o.format(root=root, out=out, tmp=tmp_path) for o in overrides]))
     for text in expected:
+        text = text.format(root=root, tmp=tmp_path)
         assert text in str(info.value), f"{text!r} not in:\n{info.value}"
     assert file_bytes(out) == before
-    assert not any(target.glob("*.bin")) or target == out
+    assert sorted(tmp_path.rglob("*")) == files_before, "a refused prepare wrote files"
+
+
+def test_one_input_path_and_skipping_undecodable_files(dataset, tmp_path):
+    """`input` may be one glob (not a list); skip_undecodable=true leaves out the binary file, and only it."""
+    root, _, _ = dataset
+    write_mixed(root)
+    out = tmp_path / "out"
+    index = prepare(prepare_cfg(root, out, f"input={root}/mixed/*", "skip_undecodable=true", "eval_fraction=0"))
+    assert [s["file"] for s in index["sources"]] == [str(root / "mixed" / "notes.txt")]
+    assert decode_documents(out, "train") == ["plain text " * 20]
 
 
 @pytest.mark.slow
