@@ -51,6 +51,11 @@ SETTINGS = "prepare.json"  # what the shards in a directory were made with, writ
 NEEDS = 'harness.prepare needs Hugging Face datasets and tokenizers. Fix: pip install -e ".[data]".'
 
 
+def quiet() -> bool:
+    """No progress display when stderr is not a terminal (a log file, a CI job)."""
+    return not sys.stderr.isatty()
+
+
 def patterns(cfg: DictConfig) -> list[str]:
     """`input` as a list: one path or glob (what users type first) is a list of one."""
     return [str(p) for p in cfg.input] if isinstance(cfg.input, ListConfig) else [str(cfg.input)]
@@ -100,7 +105,7 @@ def input_files(cfg: DictConfig) -> list[Path]:
     return sorted(set(files))
 
 
-def undecodable(path: Path) -> str | None:
+def undecodable(path: Path, progress) -> str | None:
     """Why `path` is not UTF-8 text (None: it is), read in blocks (memory does not grow with the file)."""
     decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
     with open(path, "rb") as f:
@@ -108,8 +113,10 @@ def undecodable(path: Path) -> str | None:
             try:
                 decoder.decode(block)
             except UnicodeDecodeError as e:
+                progress.update(path.stat().st_size - offset)  # the rest of the file, unread
                 return f"byte 0x{e.object[e.start]:02x} near offset {offset + e.start} is not UTF-8"
             offset += len(block)
+            progress.update(len(block))
     try:
         decoder.decode(b"", final=True)
     except UnicodeDecodeError:
@@ -120,7 +127,12 @@ def undecodable(path: Path) -> str | None:
 def text_files(files: list[Path], skip_undecodable: bool) -> list[Path]:
     """`files` without those that are not UTF-8 text (skipped with a warning, or refused naming them).
     Parquet files are binary, their strings UTF-8 by format; JSON must be UTF-8 (RFC 8259)."""
-    bad = {f: why for f in files if BUILDERS.get(f.suffix) != "parquet" and (why := undecodable(f))}
+    from tqdm import tqdm
+
+    checked = [f for f in files if BUILDERS.get(f.suffix) != "parquet"]
+    total = sum(f.stat().st_size for f in checked)
+    with tqdm(total=total, unit="B", unit_scale=True, desc="checking the input is UTF-8 text", disable=quiet()) as bar:
+        bad = {f: why for f in checked if (why := undecodable(f, bar))}
     if not bad:
         return files
     listed = "; ".join(f"{f} ({why})" for f, why in itertools.islice(bad.items(), 5))
@@ -187,6 +199,7 @@ def load_tokenizer(cfg: DictConfig, files: list[Path], out: Path, given):
     """The tokenizer: `given` (`tokenizer`'s file), else the BPE in `out` from an earlier (interrupted) run
     with the same settings, else a byte-level BPE trained on the corpus now. Saved as out/tokenizer.json."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tqdm import tqdm
 
     saved = out / "tokenizer.json"
     if given is not None:
@@ -202,10 +215,19 @@ def load_tokenizer(cfg: DictConfig, files: list[Path], out: Path, given):
         vocab_size=cfg.vocab_size,
         special_tokens=[cfg.eot_token],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+        show_progress=False,  # its four bars, shown even off a terminal: one of ours covers the phase
     )
     log.info("training a byte-level BPE of %d tokens on the corpus", cfg.vocab_size)
-    tokenizer.train_from_iterator(documents(files, cfg.text_field), trainer=trainer)
+    progress = tqdm(unit="doc", desc=f"training a BPE of {cfg.vocab_size} tokens", disable=quiet())
+
+    def read() -> Iterator[str]:
+        for text in documents(files, cfg.text_field):
+            progress.update()
+            yield text
+        progress.set_postfix_str("merging pairs")  # after the last document, tokenizers computes the merges
+
+    tokenizer.train_from_iterator(read(), trainer=trainer)
+    progress.close()
     write_durably(saved, tokenizer.to_str().encode())
     return tokenizer
 
@@ -231,10 +253,11 @@ def claim(out: Path, settings: dict) -> None:
 def prepare(cfg: DictConfig) -> dict:
     """Write the dataset `cfg` describes (see the module's docstring); returns its index."""
     try:
-        import datasets  # noqa: F401
+        import datasets
         import tokenizers  # noqa: F401
     except ImportError:
         raise ConfigError(NEEDS) from None
+    datasets.disable_progress_bars()  # "Resolving data files" once per file type and pass: ours show the phases
     if missing := sorted(OmegaConf.missing_keys(cfg)):
         raise ConfigError(
             f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} required. Fix: python -m "
@@ -297,7 +320,7 @@ def write_shards(cfg, files, tokenizer, eot: int, dtype: np.dtype, out: Path, in
     from tqdm import tqdm
 
     pending = {split: [] for split in SPLITS}
-    progress = tqdm(unit="tok", unit_scale=True, desc=f"tokenizing into {out}", disable=not sys.stderr.isatty())
+    progress = tqdm(unit="tok", unit_scale=True, desc=f"tokenizing into {out}", disable=quiet())
 
     def flush(split: str) -> None:
         docs, number = pending[split], len(index[split])

@@ -4,10 +4,16 @@ CLI prepare + multi-rank training run."""
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import pty
+import re
 import shutil
+import struct
 import subprocess
 import sys
+import termios
 from pathlib import Path
 
 import numpy as np
@@ -274,6 +280,43 @@ def test_one_input_path_and_skipping_undecodable_files(dataset, tmp_path):
     index = prepare(prepare_cfg(root, out, f"input={root}/mixed/*", "skip_undecodable=true", "eval_fraction=0"))
     assert [s["file"] for s in index["sources"]] == [str(root / "mixed" / "notes.txt")]
     assert decode_documents(out, "train") == ["plain text " * 20]
+
+
+def run_on_a_terminal(command: list[str], env: dict, cwd: Path) -> str:
+    """What `command` writes to a terminal (a pseudo-terminal 120 columns wide, so tqdm draws)."""
+    main, child = pty.openpty()
+    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    proc = subprocess.Popen(command, stdin=child, stdout=child, stderr=child, env=env, cwd=cwd)
+    os.close(child)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(main, 65536)
+        except OSError:  # EIO: the child side closed
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(main)
+    assert proc.wait(timeout=240) == 0, b"".join(chunks).decode(errors="replace")
+    return b"".join(chunks).decode(errors="replace")
+
+
+@pytest.mark.slow
+def test_prepare_shows_one_progress_bar_per_phase_on_a_terminal_and_none_off_it(dataset, tmp_path, cli_env):
+    root, _, _ = dataset
+    inputs = f"input=[{root}/txt/*.txt,{root}/records.jsonl,{root}/records.parquet]"
+    command = [sys.executable, "-m", "harness.prepare", inputs, "text_field=body", "vocab_size=300"]
+    shown = run_on_a_terminal([*command, f"out={tmp_path}/tty"], cli_env, tmp_path)
+    # a bar's last drawing ends its line (tqdm's close; the terminal writes \r\n); redrawings before it end in \r
+    lines = [line.rstrip("\r").rsplit("\r", 1)[-1] for line in shown.split("\n")]
+    bars = [line for line in lines if re.search(r"\[\d\d:\d\d", line)]
+    phases = ["checking the input is UTF-8 text", "training a BPE of 300 tokens", f"tokenizing into {tmp_path}/tty"]
+    assert [bar.split(":")[0] for bar in bars] == phases, shown
+    assert "merging pairs" in bars[1] and "Resolving data files" not in shown, shown
+    proc = subprocess.run([*command, f"out={tmp_path}/pipe"], capture_output=True, text=True, env=cli_env, cwd=tmp_path)
+    check_ok(proc)
+    assert not re.search(r"\[\d\d:\d\d", proc.stdout + proc.stderr), proc.stderr
 
 
 @pytest.mark.slow
