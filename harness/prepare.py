@@ -215,7 +215,7 @@ def load_tokenizer(cfg: DictConfig, files: list[Path], out: Path, given):
         vocab_size=cfg.vocab_size,
         special_tokens=[cfg.eot_token],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,  # its four bars, shown even off a terminal: one of ours covers the phase
+        show_progress=False,  # its own bars, several for the one phase: ours covers it
     )
     log.info("training a byte-level BPE of %d tokens on the corpus", cfg.vocab_size)
     progress = tqdm(unit="doc", desc=f"training a BPE of {cfg.vocab_size} tokens", disable=quiet())
