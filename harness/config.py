@@ -506,7 +506,8 @@ SCHEMAS = {
 class PrepareConf:
     """`python -m harness.prepare` (conf/prepare.yaml, docs/data.md): local raw text to token shards."""
 
-    input: List[str] = MISSING  # files or globs: .jsonl/.json and .parquet records, any other file plain text
+    # files or globs (one, or a list): .jsonl/.json and .parquet records, any other file plain text
+    input: Any = MISSING
     out: str = MISSING  # the dataset directory (data.path of data=tokens)
     text_field: str = "text"  # the field holding the text in .jsonl/.json/.parquet records
     tokenizer: Optional[str] = None  # a tokenizer.json (Hugging Face tokenizers); null: train a byte-level BPE
@@ -514,6 +515,7 @@ class PrepareConf:
     eot_token: str = "<|endoftext|>"  # separates documents; the trained BPE has it as a special token
     eval_fraction: float = 0.01  # the share of documents held out (drawn by seed), never trained on
     docs_per_shard: int = 4096
+    skip_undecodable: bool = False  # skip input files that are not UTF-8 text (binary files) instead of refusing
     num_proc: Optional[int] = None  # tokenizer threads; null = every core
     seed: int = 0
 

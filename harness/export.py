@@ -50,8 +50,9 @@ def find_checkpoint(source: Path) -> Path:
 
 def export(source: Path, out: Path) -> dict:
     """Export the checkpoint `source` names to `out`; returns what export.json records."""
-    if out.exists() and any(out.iterdir()):
-        raise ConfigError(f"the output directory {str(out)!r} is not empty. Fix: name a new or empty directory.")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        what = "is not empty" if out.is_dir() else "is a file"
+        raise ConfigError(f"the output directory {str(out)!r} {what}. Fix: name a new or empty directory.")
     path = find_checkpoint(source)
     meta = read_meta(path)
     cfg = OmegaConf.create(meta["config"])
@@ -83,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("source", type=Path, help="a run directory, its checkpoints directory, or a step_<N> directory")
     parser.add_argument("out", type=Path, help="the Hugging Face checkpoint directory to write (new or empty)")
     args = parser.parse_args(argv)
+    if given := [str(a) for a in (args.source, args.out) if str(a).startswith(("source=", "out="))]:
+        parser.error(f"{' '.join(given)}: export takes two paths, not key=value overrides (it has no Hydra config)")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         record = export(args.source, args.out)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 from omegaconf import DictConfig
@@ -17,10 +17,8 @@ from harness.lr_schedules import LRSchedule, build_lr_schedule
 from harness.mesh import build_mesh
 from harness.models import build_model
 from harness.optim import StepInBackward, build_local_optimizer
+from harness.plan import RunPlan
 from harness.sharding import apply_sharding, checkpoint_activations, compile_blocks
-
-if TYPE_CHECKING:  # plan imports the checkpoint package, which imports this module
-    from harness.plan import RunPlan
 
 
 class Stateful(Protocol):

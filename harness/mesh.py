@@ -35,6 +35,8 @@ def mesh_shape(
 ) -> tuple[int, int]:
     """(replicate, shard) sizes for a strategy; ValueError names key, value and fix.
     `local_world_size` (ranks per node) places hybrid replicas left at null."""
+    if world_size < 1:  # `validate` names the key that asked for no ranks (launcher.nproc)
+        raise ValueError(f"a world of {world_size} ranks has no (replicate, shard) mesh.")
     if strategy in HYBRID:
         given = replicate
         if replicate is None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from harness.checkpoint import resume_path
+from harness.checkpoint_paths import resume_path
 from harness.mesh import mesh_shape
 
 

@@ -57,6 +57,7 @@ CASES = [
     ),
     ("averaging with one replica", ["sharding=full_shard"], ["averages parameters across", "1 replica", "Fix:"]),
     ("too many ranks", ["launcher.nproc=1000"], ["launcher.nproc=1000", "Fix:"]),
+    ("no ranks", ["launcher.nproc=0"], ["launcher.nproc=0 is out of range", "Fix:"]),
     ("heads not dividing width", ["model.n_head=3"], ["model.d_model=128 is not divisible by model.n_head=3", "Fix:"]),
     ("cuda without cuda", ["train.device=cuda"], ["train.device=cuda", "Fix:"]),
     ("async full checkpoint", ["checkpoint=full", "checkpoint.async=true"], ["needs checkpoint=sharded", "Fix:"]),
@@ -174,6 +175,33 @@ def test_disk_full_during_a_save_fails_clearly_and_keeps_the_previous_checkpoint
     assert snapshot(run / "checkpoints" / "step_2") == before
     assert "Traceback" in (run / "train.log").read_text(), "the failed save's traceback is kept in train.log"
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2", "step_4.partial"]
+
+
+# (id, module, its arguments, texts the message must contain); {tmp} is the test's tmp dir
+TOOL_CASES = [
+    ("prepare typo", "prepare", ["inptu=[{tmp}/a.txt]", "out={tmp}/data"], ["inptu=[{tmp}/a.txt]:", "Fix: input=["]),
+    ("prepare type", "prepare", ["input={tmp}/a.txt", "out={tmp}/data", "vocab_size=big"], ["takes an integer"]),
+    ("prepare no out", "prepare", ["input={tmp}/a.txt"], ["out is required. Fix: python -m harness.prepare input="]),
+    ("prepare out a file", "prepare", ["input={tmp}/a.txt", "out={tmp}/a.txt"], ["out='{tmp}/a.txt' is a file"]),
+    ("export out a file", "export", ["{tmp}", "{tmp}/a.txt"], ["directory '{tmp}/a.txt' is a file. Fix:"]),
+    ("export overrides", "export", ["source={tmp}", "out={tmp}/x"], ["takes two paths, not key=value overrides"]),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,module,args,expected", TOOL_CASES, ids=[c[0] for c in TOOL_CASES])
+def test_bad_prepare_and_export_input_fails_clearly_and_writes_nothing(name, module, args, expected, tmp_path, cli_env):
+    """`python -m harness.prepare` and `harness.export` get train.py's treatment (Hydra's composition errors too)."""
+    (tmp_path / "a.txt").write_text("some text")
+    before = snapshot(tmp_path)
+    command = [sys.executable, "-m", f"harness.{module}", *[a.format(tmp=tmp_path) for a in args]]
+    proc = subprocess.run(command, env=cli_env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out
+    for text in expected:
+        assert text.format(tmp=tmp_path) in out, f"{text!r} not in:\n{out}"
+    assert "Traceback" not in out and "\n\n" not in out.strip(), out
+    assert snapshot(tmp_path) == before, "a refused command wrote or changed files"
 
 
 def composition_errors(*args: str) -> list[str]:

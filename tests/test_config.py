@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import itertools
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -569,6 +571,51 @@ def test_config_and_report_do_not_load_torch_distributed():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True).stdout
     assert out.strip() == "[]", out
+
+
+def module_imports(name: str, path: Path, modules: set[str]) -> set[str]:
+    """The harness modules `name` (at `path`) imports when it is imported: its top-level imports, those
+    under `if TYPE_CHECKING:` included (an import kept there to dodge a cycle still is one), with the
+    packages they run (`from harness.a.b import c` runs harness/a/__init__.py); not imports inside functions."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    body = list(ast.parse(path.read_text()).body)
+    while body:
+        node = body.pop()
+        if isinstance(node, (ast.If, ast.Try)):
+            body += node.body + node.orelse + [n for h in getattr(node, "handlers", []) for n in h.body]
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(
+                    [*package.split(".")[: len(package.split(".")) - node.level + 1], *filter(None, [base])]
+                )
+            found |= {base} | {f"{base}.{a.name}" for a in node.names}
+    parts = {".".join(t.split(".")[:i]) for t in found for i in range(1, t.count(".") + 2)}
+    # a module's own packages are being imported already when it runs: no edge
+    return {m for m in parts & modules if not (name == m or name.startswith(f"{m}."))}
+
+
+def test_the_package_has_no_import_cycles():
+    paths = {}
+    for path in (REPO / "harness").rglob("*.py"):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {name: module_imports(name, path, set(paths)) for name, path in paths.items()}
+    cycles = []
+    for start in sorted(graph):  # a cycle through `start`: a path from one of its imports back to it
+        seen, stack = set(), [(m, [start, m]) for m in sorted(graph[start])]
+        while stack:
+            module, trail = stack.pop()
+            if module == start:
+                cycles.append(" -> ".join(trail))
+                break
+            if module not in seen:
+                seen.add(module)
+                stack += [(m, [*trail, m]) for m in sorted(graph[module])]
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
 
 
 def test_a_new_model_is_a_class_and_a_yaml_file(tmp_path):

@@ -4,10 +4,16 @@ CLI prepare + multi-rank training run."""
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import pty
+import re
 import shutil
+import struct
 import subprocess
 import sys
+import termios
 from pathlib import Path
 
 import numpy as np
@@ -180,6 +186,9 @@ def break_dataset(out: Path, case: str) -> None:
     elif case == "index not matching":
         index["train"][0]["tokens"] += 1
         (out / "index.json").write_text(json.dumps(index))
+    elif case == "nanogpt ids above the vocabulary":
+        (np.arange(1000, dtype=np.uint16) % 300).tofile(out / "train.bin")
+        np.arange(100, dtype=np.uint16).tofile(out / "val.bin")
     elif case == "dtype too small":
         index["vocab_size"] = 70000
         (out / "index.json").write_text(json.dumps(index))
@@ -190,6 +199,11 @@ LOADER_CASES = [
     ("index not matching", [], ["shard train_00000.bin holds", "its index says", "Fix:"]),
     ("dtype too small", ["model.vocab_size=70016"], ["its shards are uint16", "cannot hold token ids up to 69999"]),
     ("vocabulary", ["model.vocab_size=256"], ["holds token ids up to 299", "Fix: model.vocab_size=300"]),
+    (
+        "nanogpt ids above the vocabulary",
+        ["data.format=nanogpt", "model.vocab_size=256"],
+        ["train.bin holds token ids up to 299, more than model.vocab_size=256", "Fix: model.vocab_size=300 or more"],
+    ),
 ]
 
 
@@ -216,22 +230,93 @@ PREPARE_CASES = [
     ("text field missing", ["text_field=content"], ["text_field='content' is not a field", "body", "Fix:"]),
     ("empty corpus", ["input=[{root}/empty/*.txt]"], ["holds no text", "Fix:"]),
     ("another tokenizer", ["vocab_size=280"], ["holds shards prepared with other settings", "vocab_size", "Fix:"]),
+    ("out inside a file", ["out={tmp}/a_file/data"], ["out='{tmp}/a_file/data' is inside", "a file", "Fix:"]),
+    (
+        "a binary input",
+        ["input=[{root}/txt/*.txt,{root}/mixed/*]"],
+        ["{root}/mixed/blob.txt (byte 0x80 near offset 128 is not UTF-8)", "Fix:", "skip_undecodable=true"],
+    ),
+    ("BPE below the bytes", ["vocab_size=10"], ["vocab_size=10 is below", "257 tokens", "Fix: vocab_size=257"]),
+    ("not a tokenizer", ["tokenizer={root}/records.jsonl"], ["is not a Hugging Face tokenizers file", "Fix:"]),
+    (
+        "eot not in the tokenizer",
+        ["tokenizer={out}/tokenizer.json", "eot_token='</s>'"],
+        ["eot_token='</s>' is not a token", "its special tokens: <|endoftext|>", "Fix:"],
+    ),
 ]
+
+
+def write_mixed(root: Path) -> None:
+    """A folder of one text file and one binary file (every byte value) named .txt."""
+    (root / "mixed").mkdir(exist_ok=True)
+    (root / "mixed" / "notes.txt").write_text("plain text " * 20)
+    (root / "mixed" / "blob.txt").write_bytes(bytes(range(256)) * 4)
 
 
 @pytest.mark.parametrize("case,overrides,expected", PREPARE_CASES, ids=[c[0] for c in PREPARE_CASES])
 def test_bad_prepare_input_is_refused_with_the_fix(dataset, tmp_path, case, overrides, expected):
+    """Refused before anything is written: `out` is not created (nor changed, when it exists)."""
     root, out, _ = dataset
     (root / "empty").mkdir(exist_ok=True)
     (root / "empty" / "blank.txt").write_text("")
+    write_mixed(root)
+    (tmp_path / "a_file").write_text("not a folder")
     target = tmp_path / "out" if case != "another tokenizer" else out
-    before = file_bytes(out)
+    before, files_before = file_bytes(out), sorted(tmp_path.rglob("*"))
     with pytest.raises(ConfigError) as info:
-        prepare(prepare_cfg(root, target, *[o.format(root=root) for o in overrides]))
+        prepare(prepare_cfg(root, target, *[o.format(root=root, out=out, tmp=tmp_path) for o in overrides]))
     for text in expected:
+        text = text.format(root=root, tmp=tmp_path)
         assert text in str(info.value), f"{text!r} not in:\n{info.value}"
     assert file_bytes(out) == before
-    assert not any(target.glob("*.bin")) or target == out
+    assert sorted(tmp_path.rglob("*")) == files_before, "a refused prepare wrote files"
+
+
+def test_one_input_path_and_skipping_undecodable_files(dataset, tmp_path):
+    """`input` may be one glob (not a list); skip_undecodable=true leaves out the binary file, and only it."""
+    root, _, _ = dataset
+    write_mixed(root)
+    out = tmp_path / "out"
+    index = prepare(prepare_cfg(root, out, f"input={root}/mixed/*", "skip_undecodable=true", "eval_fraction=0"))
+    assert [s["file"] for s in index["sources"]] == [str(root / "mixed" / "notes.txt")]
+    assert decode_documents(out, "train") == ["plain text " * 20]
+
+
+def run_on_a_terminal(command: list[str], env: dict, cwd: Path) -> str:
+    """What `command` writes to a terminal (a pseudo-terminal 120 columns wide, so tqdm draws)."""
+    main, child = pty.openpty()
+    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    proc = subprocess.Popen(command, stdin=child, stdout=child, stderr=child, env=env, cwd=cwd)
+    os.close(child)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(main, 65536)
+        except OSError:  # EIO: the child side closed
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(main)
+    assert proc.wait(timeout=240) == 0, b"".join(chunks).decode(errors="replace")
+    return b"".join(chunks).decode(errors="replace")
+
+
+@pytest.mark.slow
+def test_prepare_shows_one_progress_bar_per_phase_on_a_terminal_and_none_off_it(dataset, tmp_path, cli_env):
+    root, _, _ = dataset
+    inputs = f"input=[{root}/txt/*.txt,{root}/records.jsonl,{root}/records.parquet]"
+    command = [sys.executable, "-m", "harness.prepare", inputs, "text_field=body", "vocab_size=300"]
+    shown = run_on_a_terminal([*command, f"out={tmp_path}/tty"], cli_env, tmp_path)
+    # a bar's last drawing ends its line (tqdm's close; the terminal writes \r\n); redrawings before it end in \r
+    lines = [line.rstrip("\r").rsplit("\r", 1)[-1] for line in shown.split("\n")]
+    bars = [line for line in lines if re.search(r"\[\d\d:\d\d", line)]
+    phases = ["checking the input is UTF-8 text", "training a BPE of 300 tokens", f"tokenizing into {tmp_path}/tty"]
+    assert [bar.split(":")[0] for bar in bars] == phases, shown
+    assert "merging pairs" in bars[1] and "Resolving data files" not in shown, shown
+    proc = subprocess.run([*command, f"out={tmp_path}/pipe"], capture_output=True, text=True, env=cli_env, cwd=tmp_path)
+    check_ok(proc)
+    assert not re.search(r"\[\d\d:\d\d", proc.stdout + proc.stderr), proc.stderr
 
 
 @pytest.mark.slow

@@ -3,16 +3,10 @@ on-disk format, `replicas` for diverged replicas, `checkpointer` for saving
 and loading."""
 
 from harness.checkpoint.checkpointer import Checkpointer, load
-from harness.checkpoint.files import (
-    CheckpointError,
-    check_compatible,
-    checkpoint_dir,
-    complete_checkpoints,
-    read_meta,
-    resume_path,
-)
+from harness.checkpoint.files import CheckpointError, check_compatible, read_meta
 from harness.checkpoint.full import gather_full
 from harness.checkpoint.replicas import inner_optimizer
+from harness.checkpoint_paths import checkpoint_dir, complete_checkpoints, resume_path
 
 __all__ = [
     "Checkpointer",

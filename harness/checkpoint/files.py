@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -31,12 +30,11 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from harness.checkpoint_paths import META, complete_checkpoints
 from harness.config import decays_matrices_only
 
 log = logging.getLogger(__name__)
 
-STEP_DIR = re.compile(r"^step_(\d+)$")
-META = "meta.json"
 RNG_FILE = "rng.pt"
 # model configs in meta.json before components were chosen by `_target_`
 # model keys that change no parameter: a run may resume with another value
@@ -46,33 +44,6 @@ LEGACY_MODEL_NAMES = {"gpt": "harness.models.GPT", "mlp": "harness.models.TokenM
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used or written; the message names the path and the fix."""
-
-
-def checkpoint_dir(cfg: DictConfig, run_dir: Path) -> Path:
-    """Where checkpoints go: `checkpoint.dir`, or `<run dir>/checkpoints`."""
-    return Path(os.path.expanduser(cfg.dir)) if cfg.dir else run_dir / "checkpoints"
-
-
-def complete_checkpoints(root: Path) -> list[Path]:
-    """`step_<N>` directories under `root` that hold a `meta.json`, oldest first."""
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and (p / META).is_file()]
-    return [p for _, p in sorted(found)]
-
-
-def resume_path(cfg: DictConfig, run_dir: Path) -> Path | None:
-    """The checkpoint `checkpoint.resume` asks for: None (start fresh) or a `step_<N>` dir."""
-    if cfg.resume == "never":
-        return None
-    if cfg.resume == "auto":
-        done = complete_checkpoints(checkpoint_dir(cfg, run_dir))
-        return done[-1] if done else None
-    path = Path(os.path.expanduser(cfg.resume))
-    if not (path / META).is_file():  # a checkpoints folder: its newest complete one
-        done = complete_checkpoints(path)
-        return done[-1] if done else path  # read_meta names what is missing
-    return path
 
 
 def read_meta(path: Path) -> dict:

@@ -84,7 +84,7 @@ class TokenSource:
     shards mapped at `open()`."""
 
     def __init__(self, path: str, format: str, vocab_size: int, key: str):
-        self.root, self.format, self.key = Path(path).expanduser(), format, key
+        self.root, self.format, self.key, self.vocab_size = Path(path).expanduser(), format, key, vocab_size
         if format == "nanogpt":
             missing = [f for f in NANOGPT_FILES.values() if not (self.root / f).is_file()]
             if missing:
@@ -107,7 +107,29 @@ class TokenSource:
         self.files = {split: [self.root / s["file"] for s in self.index[split]] for split in SPLITS}
 
     def preflight_errors(self) -> list[str]:
-        return shard_errors(self.root, self.index) if self.format == "harness" else []
+        if self.format == "harness":
+            return shard_errors(self.root, self.index)
+        return [e for name in NANOGPT_FILES.values() if (e := self._nanogpt_errors(name))]
+
+    def _nanogpt_errors(self, name: str) -> str | None:
+        """nanoGPT's files carry no vocabulary: their largest id must fit the model's embedding,
+        which it indexes. A max over the memory map reads the file once (2 GB: 2 s from disk, docs/data.md)."""
+        path, dtype = self.root / name, np.dtype(self.index["dtype"])
+        size = path.stat().st_size
+        if size == 0 or size % dtype.itemsize:
+            return (
+                f"{self.key}={str(self.root)!r}: {name} holds {size} bytes, not a whole number of {dtype.name} "
+                "tokens (data.format=nanogpt reads nanoGPT's uint16 token files). Fix: re-create it with "
+                "nanoGPT's prepare.py, or point at another folder."
+            )
+        top = int(np.memmap(path, dtype=dtype, mode="r").max())
+        if top < self.vocab_size:
+            return None
+        return (
+            f"{self.key}={str(self.root)!r}: {name} holds token ids up to {top}, more than "
+            f"model.vocab_size={self.vocab_size} embeds (ids below {self.vocab_size}). Fix: model.vocab_size="
+            f"{top + 1} or more (a multiple of 64 is faster: {-(-(top + 1) // 64) * 64}; GPT-2's tokenizer: 50304)."
+        )
 
     def open(self) -> dict[str, TokenFiles]:
         dtype = np.dtype(self.index["dtype"])
