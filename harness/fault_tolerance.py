@@ -118,7 +118,7 @@ def group_outputs(cfg: DictConfig, run_dir: Path, replica_id: int) -> tuple[Path
     W&B and TensorBoard runs and checkpoints (a group writes with its own world's ranks only,
     and a dead group must not stop the others' logging or saving); returns that directory and
     the checkpoint the group resumes from. `cfg.checkpoint.dir`, when set, gets the same suffix."""
-    from harness.checkpoint import resume_path
+    from harness.checkpoint_paths import resume_path
 
     name = f"replica_group_{replica_id}"
     (run_dir / name).mkdir(exist_ok=True)

@@ -1,0 +1,256 @@
+"""Goodput under failures: replica groups that heal (`fault_tolerance=torchft`) against
+today's answer, a whole-job restart from checkpoints (`torchrun --max-restarts`), with
+the same failures, next to the same run without failures.
+
+    python bench/faults.py                 # 2 and 4 groups, a SIGKILL every --every seconds
+    python bench/faults.py --smoke         # 2 groups, one failure, a few steps
+
+Each job is the real CLI in a subprocess: `python train.py fault_tolerance=torchft` (one
+rank per replica group, DiLoCo), and `torchrun --max-restarts` over the same ranks with
+`checkpoint=sharded` every few steps. A fault injector in this process SIGKILLs one
+random rank (a random group's ranks, found by REPLICA_GROUP_ID) every `--every` seconds,
+and only processes carrying this bench's marker in their environment. Reported per job:
+useful tokens/s (train.steps x tokens per step over the wall time, so redone steps count
+against it), failures, steps redone (the step a job had reached when killed minus the
+step it resumed from), the heals' time, the survivors' slowest step, the final held-out
+loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MARKER = "HARNESS_FAULTS_BENCH"  # only processes with this bench run's marker are ever killed
+
+
+BATCH = {True: (4, 16), False: (8, 64)}  # (train.batch_size, train.seq_len) of the smoke and of the full size
+
+
+def job_args(steps: int, period: int, smoke: bool) -> list[str]:
+    batch, seq = BATCH[smoke]
+    return [
+        "model=mlp" if smoke else "model=gpt",
+        f"train.batch_size={batch}",
+        f"train.seq_len={seq}",
+        "sharding=no_shard",
+        "averager=diloco",
+        "averager.warmup_steps=0",
+        f"averager.period={period}",
+        f"train.steps={steps}",
+        "train.log_every=1",
+        f"train.eval_every={steps}",
+        "train.eval_batches=4",
+        "dist.threads_per_rank=1",
+    ]
+
+
+def environ(pid: str) -> list[bytes]:
+    return Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+
+
+def parent(pid: str) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+
+
+def victims(marker: str, fault_tolerant: bool, groups: int) -> list[int]:
+    """One failure's processes: a random replica group's ranks, or one random torchrun worker."""
+    tag = f"{MARKER}={marker}".encode()
+    found: dict[str, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = environ(entry.name)
+            if tag not in env:
+                continue
+            if fault_tolerant:
+                group = next((v for v in env if v.startswith(b"REPLICA_GROUP_ID=")), None)
+                if group is not None and group in environ(parent(entry.name)):  # a rank, not its supervisor
+                    found.setdefault(group.decode(), []).append(int(entry.name))
+            elif any(v.startswith(b"LOCAL_RANK=") for v in env):  # a torchrun worker, not the agent
+                found.setdefault(entry.name, []).append(int(entry.name))
+        except OSError:
+            continue
+    return random.choice(list(found.values())) if found else []
+
+
+def reached_step(run_dir: Path) -> int:
+    """The furthest step any metrics.jsonl under the run dir has logged."""
+    best = 0
+    for rows in run_dir.rglob("metrics.jsonl"):
+        for line in rows.read_text().splitlines():
+            try:
+                best = max(best, json.loads(line)["step"])
+            except (ValueError, KeyError):
+                continue
+    return best
+
+
+def run_job(
+    cmd: list[str], run_dir: Path, every: float | None, failures: int, fault_tolerant: bool, groups: int, cwd: Path
+) -> dict:
+    marker = uuid.uuid4().hex
+    env = {**os.environ, MARKER: marker, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    kills: list[int] = []  # the step reached at each failure
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    stop = threading.Event()
+
+    def inject() -> None:
+        while len(kills) < failures and not stop.wait(every):
+            if reached_step(run_dir) == 0:  # not training yet: wait for the first step
+                continue
+            pids = victims(marker, fault_tolerant, groups)
+            if pids:
+                kills.append(reached_step(run_dir))
+                for pid in pids:
+                    try:
+                        os.kill(pid, 9)
+                    except ProcessLookupError:
+                        pass
+
+    injector = threading.Thread(target=inject, daemon=True)
+    if every is not None:
+        injector.start()
+    _, stderr = proc.communicate()
+    stop.set()
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"bench/faults.py: {' '.join(cmd[:4])} ... exited {proc.returncode}:\n{stderr[-3000:]}")
+    return {"wall_s": wall, "kills": kills, "rows": read_rows(run_dir)}
+
+
+def read_rows(run_dir: Path) -> dict[str, list[dict]]:
+    return {
+        str(path.parent.relative_to(run_dir)): [json.loads(line) for line in path.read_text().splitlines()]
+        for path in sorted(run_dir.rglob("metrics.jsonl"))
+    }
+
+
+def summarize(name: str, job: dict, tokens_per_step: int, steps: int) -> dict:
+    rows = [row for group_rows in job["rows"].values() for row in group_rows]
+    resumed = [row["run/resumed_from_step"] for row in rows if "run/resumed_from_step" in row]
+    redone = sum(max(0, reached - back) for reached, back in zip(job["kills"], resumed))
+    heals = [row["ft/heal_s"] for row in rows if "ft/heal_s" in row]
+    step_times = [row["train/step_time_s"] for row in rows if "train/step_time_s" in row and row["step"] > 1]
+    evals = [row["eval/loss"] for group_rows in job["rows"].values() for row in group_rows[-3:] if "eval/loss" in row]
+    return {
+        "job": name,
+        "wall_s": job["wall_s"],
+        "useful_tokens_per_s": steps * tokens_per_step / job["wall_s"],
+        "failures": len(job["kills"]),
+        "steps_redone": redone,
+        "heal_s_median": statistics.median(heals) if heals else None,
+        "slowest_step_s": max(step_times) if step_times else None,
+        "median_step_s": statistics.median(step_times) if step_times else None,
+        "eval_loss": statistics.fmean(evals) if evals else None,
+    }
+
+
+def measure(groups: int, args: argparse.Namespace, work: Path) -> list[dict]:
+    steps, smoke = args.steps, args.smoke
+    base = job_args(steps, args.period, smoke)
+    batch, seq = BATCH[smoke]
+    tokens_per_step = batch * seq * groups
+    ft = [sys.executable, str(REPO / "train.py"), "fault_tolerance=torchft", f"launcher.nproc={groups}", *base]
+    baseline = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(groups),
+        "--max-restarts",
+        str(args.failures + 2),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "localhost:0",
+        str(REPO / "train.py"),
+        *base,
+        "checkpoint=sharded",
+        f"checkpoint.interval={args.checkpoint_interval}",
+    ]
+    jobs = [
+        ("torchft, no failures", ft, None),
+        ("torchft, failures", ft, args.every),
+        ("restart from checkpoints, failures", baseline, args.every),
+    ]
+    lines = []
+    for name, cmd, every in jobs:
+        run_dir = work / f"{groups}-{len(lines)}"
+        job = run_job(
+            [*cmd, f"hydra.run.dir={run_dir}"], run_dir, every, args.failures, "torchft" in name, groups, work
+        )
+        lines.append({"groups": groups, **summarize(name, job, tokens_per_step, steps)})
+        print(json.dumps(lines[-1]), flush=True)
+    return lines
+
+
+def report(lines: list[dict]) -> None:
+    print(
+        "\n| groups | job | wall s | useful tokens/s | failures | steps redone | heal s (median) | slowest step s "
+        "| median step s | held-out loss |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for line in lines:
+        cells = [
+            line["groups"],
+            line["job"],
+            f"{line['wall_s']:.1f}",
+            f"{line['useful_tokens_per_s']:.0f}",
+            line["failures"],
+            line["steps_redone"],
+            "–" if line["heal_s_median"] is None else f"{line['heal_s_median']:.2f}",
+            "–" if line["slowest_step_s"] is None else f"{line['slowest_step_s']:.2f}",
+            "–" if line["median_step_s"] is None else f"{line['median_step_s']:.3f}",
+            "–" if line["eval_loss"] is None else f"{line['eval_loss']:.4f}",
+        ]
+        print("| " + " | ".join(map(str, cells)) + " |")
+    for groups in sorted({line["groups"] for line in lines}):
+        clean, faulty, restart = [line for line in lines if line["groups"] == groups]
+        ratio_clean = faulty["useful_tokens_per_s"] / clean["useful_tokens_per_s"]
+        ratio_restart = faulty["useful_tokens_per_s"] / restart["useful_tokens_per_s"]
+        print(
+            f"\n{groups} groups: fault-tolerant goodput {ratio_clean:.2f}x the failure-free run (target >= 0.9), "
+            f"{ratio_restart:.2f}x the restart-from-checkpoints baseline (target >= 2) at "
+            f"{faulty['failures']} vs {restart['failures']} failures"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="2 groups, one failure, a few steps (tests/test_bench.py)")
+    parser.add_argument("--groups", default="2,4", help="replica groups (one CPU rank each), comma-separated")
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--period", type=int, default=8, help="DiLoCo's averager.period")
+    parser.add_argument("--every", type=float, default=12.0, help="seconds between failures")
+    parser.add_argument("--failures", type=int, default=10, help="failures injected per job (at most)")
+    parser.add_argument("--checkpoint-interval", type=int, default=8, help="the baseline's checkpoint.interval")
+    parser.add_argument("--seed", type=int, default=0, help="which group or rank each failure hits")
+    args = parser.parse_args()
+    if args.smoke:
+        args.groups, args.steps, args.period, args.every, args.failures = "2", 40, 4, 3.0, 1
+    random.seed(args.seed)
+    with tempfile.TemporaryDirectory(prefix="bench-faults-") as work:
+        lines = []
+        for groups in (int(g) for g in args.groups.split(",")):
+            lines += measure(groups, args, Path(work))
+    report(lines)
+
+
+if __name__ == "__main__":
+    main()
