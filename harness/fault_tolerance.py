@@ -207,14 +207,18 @@ def forget_previous_manager(group_rank: int) -> None:
     dist.barrier()
 
 
+PLACE_STRIDE = 2**32  # a Manager step is commits * this + steps: more commits always rank first
+
+
 class TorchftLink:
     """The replica link over torchft's Manager: the replicas are the replica groups in
     the current quorum; `begin()` is a (synchronous) quorum, which heals this group
     when it is behind; `commit()` is `should_commit`."""
 
-    commits = True
+    needs_commit = True
 
     def __init__(self, ft: DictConfig, replica_id: int, group_rank: int, group_world_size: int, device: torch.device):
+        self.commits = 0  # exchanges this group committed (the heal state and checkpoints carry it)
         quiet_torchft()
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupBabyNCCL, ProcessGroupGloo
@@ -268,17 +272,26 @@ class TorchftLink:
     def sum_over_replicas(self, tensor: torch.Tensor) -> None:
         self.all_reduce(tensor).wait()
 
-    def begin(self) -> None:
+    def begin(self, steps_done: int = 0) -> None:
+        """A quorum at the start of the step after `steps_done` steps. torchft heals the groups
+        whose Manager step is below the quorum's highest, so that step is set here to this group's
+        place: its committed exchanges, then its steps. A group that missed a commit, and a
+        restarted group (from scratch or from its own older checkpoint), are behind every live
+        peer and so are healed; groups at the same place are not."""
+        place = self.commits * PLACE_STRIDE + steps_done
+        self.manager.load_state_dict({"step": place, "batches_committed": self.manager.batches_committed()})
         self.manager.start_quorum()
 
     def commit(self) -> bool:
-        return self.manager.should_commit()
+        committed = self.manager.should_commit()
+        self.commits += committed
+        return committed
 
     def state_dict(self) -> dict:
-        return self.manager.state_dict()
+        return {"commits": self.commits}
 
     def load_state_dict(self, state: dict) -> None:
-        self.manager.load_state_dict(state)
+        self.commits = state["commits"]
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
@@ -303,7 +316,7 @@ class ReplicaGroup:
         if self.joined and not averager.crosses_replicas():
             return
         start, heals = time.perf_counter(), self.heals
-        self.link.begin()
+        self.link.begin(self.trainer.state.step)
         replicas = self.link.size()
         if self.replicas is not None and replicas != self.replicas:
             change = "joined" if replicas > self.replicas else "left"

@@ -75,12 +75,23 @@ def wait_for_step(rows_file: Path, step: int, proc: subprocess.Popen, timeout: f
     raise AssertionError(f"no step {step} in {rows_file} within {timeout} s")
 
 
+def wait_for_line(log: Path, text: str, count: int, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if log.exists() and log.read_text().count(text) >= count:
+            return
+        assert proc.poll() is None, f"the run ended first:\n{proc.communicate()[1][-3000:]}"
+        time.sleep(0.05)
+    raise AssertionError(f"{text!r} not {count} times in {log} within {timeout} s")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("averager", sorted(AVERAGERS))
 def test_a_killed_replica_group_heals_while_the_other_trains_on(tmp_path, averager):
-    """Group 1's rank is SIGKILLed mid-run: group 0 never stops or redoes a step (one row per
-    step, no resume, no long wait); group 1 alone is restarted, heals from group 0 at a quorum
-    and then holds bit for bit the state group 0 sent; both finish, in one run that exits 0."""
+    """Group 1's rank is SIGKILLed mid-run (with periodic, again while its restart joins, during
+    its quorum and heal): group 0 never stops or redoes a step (one row per step, no resume, no
+    long wait); group 1 alone is restarted, heals from group 0 at a quorum and then holds bit
+    for bit the state group 0 sent; both finish, in one run that exits 0."""
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, str(TRAIN), *FT, *AVERAGERS[averager], f"hydra.run.dir={run_dir}"],
@@ -96,13 +107,19 @@ def test_a_killed_replica_group_heals_while_the_other_trains_on(tmp_path, averag
         assert victims, "no rank of replica group 1 found by REPLICA_GROUP_ID"
         for pid in victims:
             os.kill(pid, signal.SIGKILL)
+        if averager == "periodic":  # and again while the restarted group joins: built, at its quorum and heal
+            wait_for_line(run_dir / "logs" / "rank1.log", "replicas:", 2, proc, timeout=240)
+            for pid in group_ranks(1):
+                os.kill(pid, signal.SIGKILL)
         stdout, stderr = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
     check_ok(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
-    assert "replica group 1 failed" in stderr and "restarting it" in stderr
+    assert "replica group 1 failed" in stderr and "restarting it (1 of 3)" in stderr
+    if averager == "periodic":
+        assert "restarting it (2 of 3)" in stderr
 
     survivor = read_metrics(run_dir / "replica_group_0")
     steps = [row["step"] for row in survivor]

@@ -44,7 +44,7 @@ def average_local_shards(
         deviation[0] += local.sub_(mean).pow_(2).sum()
         deviation[1] += mean.square().sum()
         means = [m.view_as(t) for m, t in zip(mean.split([t.numel() for t in bucket]), bucket)]
-        if link.commits:
+        if link.needs_commit:
             pending.append((bucket, means))
         else:
             torch._foreach_copy_(bucket, means)

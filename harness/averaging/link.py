@@ -22,7 +22,7 @@ class Work(Protocol):
 
 
 class ReplicaLink(Protocol):
-    commits: bool  # an exchange's result may be used only once `commit()` said so
+    needs_commit: bool  # an exchange's result may be used only once `commit()` said so
 
     def size(self) -> int: ...
 
@@ -35,7 +35,8 @@ class ReplicaLink(Protocol):
     def sum_over_replicas(self, tensor: torch.Tensor) -> None:
         """Sum a tensor already summed over this rank's world across the replicas the world does not hold."""
 
-    def begin(self) -> None: ...
+    def begin(self, steps_done: int = 0) -> None:
+        """Before the step after `steps_done` steps, when it crosses replicas."""
 
     def commit(self) -> bool: ...
 
@@ -45,7 +46,7 @@ class MeshLink:
     replicate group, or a subgroup of it). The world holds every replica, so a
     sum over the world already spans them."""
 
-    commits = False
+    needs_commit = False
 
     def __init__(self, group: dist.ProcessGroup):
         self.group = group
@@ -65,7 +66,7 @@ class MeshLink:
     def sum_over_replicas(self, tensor: torch.Tensor) -> None:
         pass
 
-    def begin(self) -> None:
+    def begin(self, steps_done: int = 0) -> None:
         pass
 
     def commit(self) -> bool:
