@@ -31,12 +31,15 @@ FT = [
 ]
 AVERAGERS = {
     "periodic": ["averager=periodic", "averager.warmup_steps=4", "averager.period=4"],
-    "streaming_diloco": [
+    "streaming_diloco": [  # in 8 bits, and saving: the kill is aimed inside one of group 1's saves
         "averager=diloco",
         "averager.warmup_steps=4",
         "averager.period=8",
         "averager.fragments=2",
         "averager.sync_delay=1",
+        "averager.comm_dtype=int8",
+        "checkpoint=sharded",
+        "checkpoint.interval=4",
     ],
 }
 
@@ -75,6 +78,15 @@ def wait_for_step(rows_file: Path, step: int, proc: subprocess.Popen, timeout: f
     raise AssertionError(f"no step {step} in {rows_file} within {timeout} s")
 
 
+def wait_for_a_save(checkpoints: Path, proc: subprocess.Popen, timeout: float) -> None:
+    """Return while a save of this group is under way (a step_<N>.partial), or after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if checkpoints.is_dir() and any(p.name.endswith(".partial") for p in checkpoints.iterdir()):
+            return
+        time.sleep(0.002)
+
+
 def wait_for_line(log: Path, text: str, count: int, proc: subprocess.Popen, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -103,6 +115,8 @@ def test_a_killed_replica_group_heals_while_the_other_trains_on(tmp_path, averag
     )
     try:
         wait_for_step(run_dir / "replica_group_1" / "metrics.jsonl", 12, proc, timeout=240)
+        if averager == "streaming_diloco":
+            wait_for_a_save(run_dir / "replica_group_1" / "checkpoints", proc, timeout=30)
         victims = group_ranks(1)
         assert victims, "no rank of replica group 1 found by REPLICA_GROUP_ID"
         for pid in victims:
@@ -134,6 +148,13 @@ def test_a_killed_replica_group_heals_while_the_other_trains_on(tmp_path, averag
     healed = read_metrics(run_dir / "replica_group_1")
     assert healed[-1]["ft/heals"] >= 1 and healed[-1]["step"] == 120
     assert any("ft/heal_s" in row for row in healed)
+
+    for group in (0, 1):  # a save cut short is never taken for a checkpoint
+        saved = run_dir / f"replica_group_{group}" / "checkpoints"
+        if saved.exists():
+            done = [p for p in saved.iterdir() if not p.name.endswith(".partial")]
+            assert done and all((p / "meta.json").is_file() for p in done)
+            assert max(int(p.name.split("_")[1]) for p in done) == 120
 
     # heal exactness: the digest of what group 0 sent equals the digest of group 1's state after loading it
     logs = (run_dir / "train.log").read_text() + (run_dir / "logs" / "rank1.log").read_text()
