@@ -250,6 +250,7 @@ def main() -> None:
         for groups in (int(g) for g in args.groups.split(",")):
             lines += measure(groups, args, Path(work))
     report(lines)
+    print("bench/faults.py: done")
 
 
 if __name__ == "__main__":

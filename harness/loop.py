@@ -149,14 +149,13 @@ class Trainer:
             if (cfg.grad_clip > 0 or log_step) and not job.steps_in_backward:
                 grad_norm = clip_grad_norm_(job.model.parameters(), cfg.grad_clip)
             finite = finite_on_every_rank(loss, grad_norm)
-            if finite and self.replica_group is not None and not self.replica_group.gradients_committed():
-                log.warning("step %d: the gradient exchange lost a replica group; step skipped", step)
-                finite = None  # skipped, as a non-finite step under train.nonfinite=skip, but not for that reason
-            if finite:
+            if not finite:
+                skip_nonfinite_step(cfg.nonfinite, step, job.steps_in_backward)  # raises unless train.nonfinite=skip
+            elif self.replica_group is None or self.replica_group.gradients_committed():
                 self.checkpointer.wait_for_staging()  # an async save copies the parameters before they change
                 job.optimizer.step()  # with an averager: the local step, then maybe averaging across replicas
-            elif finite is not None:
-                skip_nonfinite_step(cfg.nonfinite, step, job.steps_in_backward)  # raises unless train.nonfinite=skip
+            else:  # fault tolerance: a warmup step whose gradient exchange did not commit
+                log.warning("step %d: the gradient exchange across replica groups failed; step skipped", step)
             job.optimizer.zero_grad(set_to_none=True)
             lr = job.lr_schedule.lr  # the rate this step trained at, for the log
             job.lr_schedule.step()  # the learning rate is a function of the step, skipped steps included
@@ -191,7 +190,7 @@ class Trainer:
             row[metrics.EVAL_LOSS] = evaluate(job.model, job.data, cfg.eval_batches)
         saved = self.checkpointer.after_step(job, step, cfg.steps)
         row.update(saved)
-        if finite is False:
+        if not finite:
             row[metrics.TRAIN_SKIPPED_NONFINITE] = 1
         if self.replica_group is not None:
             row.update(self.replica_group.step_metrics())
