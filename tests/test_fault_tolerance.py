@@ -107,7 +107,7 @@ def test_a_killed_replica_group_heals_while_the_other_trains_on(tmp_path, averag
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, str(TRAIN), *FT, *AVERAGERS[averager], f"hydra.run.dir={run_dir}"],
-        env=base_env(tmp_path),
+        env={**base_env(tmp_path), "HARNESS_HEAL_DIGEST": "1"},
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
