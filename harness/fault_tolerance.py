@@ -305,9 +305,9 @@ class ReplicaGroup:
     the start of each step that crosses replicas (and of the first step a group
     runs, which is how a restarted group joins), the heal state, the ft/* metrics."""
 
-    def __init__(self, trainer, link: TorchftLink, replica_id: int, shard: int, seed: int):
+    def __init__(self, trainer, link: TorchftLink, replica_id: int, shard: int, seed: int, alone_after_s: float):
         self.trainer, self.link, self.replica_id = trainer, link, replica_id
-        self.shard, self.seed = shard, seed
+        self.shard, self.seed, self.alone_after_s = shard, seed, alone_after_s
         self.heals, self.replicas, self.joined = 0, None, False
         self.row: dict = {}
         link.manager.register_state_dict_fn("harness", self._load_heal_state, self._heal_state)
@@ -319,7 +319,10 @@ class ReplicaGroup:
         if self.joined and not averager.crosses_replicas():
             return
         start, heals = time.perf_counter(), self.heals
-        self.link.begin(self.trainer.state.step)
+        if self.joined:
+            self.link.begin(self.trainer.state.step)
+        else:
+            self._join()
         replicas = self.link.size()
         if self.replicas is not None and replicas != self.replicas:
             change = "joined" if replicas > self.replicas else "left"
@@ -328,6 +331,21 @@ class ReplicaGroup:
         self.row[metrics.FT_QUORUM_TIME] = time.perf_counter() - start
         if self.heals > heals:
             self.row[metrics.FT_HEAL_TIME] = self.row[metrics.FT_QUORUM_TIME]
+
+    def _join(self) -> None:
+        """A group's first quorum, at its (re)start: repeated until it holds another group (then a
+        group that is behind has been healed), or `fault_tolerance.quorum_timeout_s` has passed with none. The
+        lighthouse gives a lone asker a quorum of its own once the others' wait is over, or at
+        once while no other group's Manager is up; a group that took that would train on alone,
+        out of step with its peers, and hold up their quorums. Groups started together meet here,
+        and a restarted group waits here for its peers' next quorum."""
+        deadline = time.monotonic() + self.alone_after_s
+        while True:
+            heals = self.heals
+            self.link.begin(self.trainer.state.step)
+            if self.link.size() > 1 or self.heals > heals or time.monotonic() > deadline:
+                return
+            time.sleep(0.2)
 
     def gradients_committed(self) -> bool:
         """A warmup step's gradient exchange succeeded with enough replica groups (else the step is skipped)."""

@@ -88,7 +88,9 @@ class Trainer:
         self.replica_group = None
         if replica_group is not None:
             link = job.cross_replica.averager.link
-            self.replica_group = ReplicaGroup(self, link, replica_group, env.world_size, cfg.train.seed)
+            self.replica_group = ReplicaGroup(
+                self, link, replica_group, env.world_size, cfg.train.seed, cfg.fault_tolerance.quorum_timeout_s
+            )
         run_config = plain(cfg)
         self.checkpointer = Checkpointer(
             cfg.checkpoint, checkpoint_dir(cfg.checkpoint, run_dir), env.rank, env.device, run_config
