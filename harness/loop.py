@@ -156,7 +156,7 @@ class Trainer:
         steps where something happened (averaging, eval, a save, a skipped step)."""
         job, cfg = self.job, self.cfg
         averaged = job.cross_replica is not None and job.cross_replica.averaged_this_step
-        row = job.cross_replica.step_metrics() if job.cross_replica is not None else {}
+        row = {}
         evaluated = cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == cfg.steps)
         if evaluated:
             row[metrics.EVAL_LOSS] = evaluate(job.model, job.data, cfg.eval_batches)
@@ -167,6 +167,8 @@ class Trainer:
         if log_step:
             row.update(self._progress(step, loss, grad_norm, lr))
         if log_step or averaged or evaluated or saved or not finite:
+            if job.cross_replica is not None:  # its bytes since the previous logged row
+                row.update(job.cross_replica.step_metrics())
             self.sink.log(row, step)
 
     def _progress(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | None, lr: float) -> dict:

@@ -79,13 +79,17 @@ MEMORY_CUDA_MAX = Metric(
     "memory/cuda_max_allocated_gb", "GiB", LOG + " (CUDA)", "peak memory allocated by torch on rank 0's GPU"
 )
 COMM_GRAD_SYNC_BYTES = Metric(
-    "comm/grad_sync_bytes", "bytes", REPLICAS, "gradient bytes this rank all-reduced across replicas this step"
+    "comm/grad_sync_bytes",
+    "bytes",
+    REPLICAS,
+    "gradient bytes this rank all-reduced across replicas since the previous logged row (rows add up to the total)",
 )
 COMM_AVERAGING_BYTES = Metric(
     "comm/averaging_bytes",
     "bytes",
     REPLICAS,
-    "parameter (DiLoCo: pseudo-gradient) bytes this rank sent into cross-replica averaging this step, in `comm_dtype`",
+    "parameter (DiLoCo: pseudo-gradient) bytes this rank sent into cross-replica averaging since the previous "
+    "logged row, in `comm_dtype`",
 )
 COMM_TOTAL_BYTES = Metric(
     "comm/cross_replica_bytes_total", "bytes", REPLICAS, "running total of this rank's cross-replica bytes"
