@@ -10,6 +10,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from harness.averaging import ReplicaAverager
 from harness.checkpoint import resume_path
 from harness.config import ConfigError, plain, register_configs
 from harness.dist import visible_gpus
@@ -251,6 +252,12 @@ RULES = [
         0,
         ["averager.outer_optimizer.in_backward=true", "steps at syncs"],
     ),
+    (
+        ["sharding=no_shard", "averager._target_=test_config.StateDictAverager"],
+        2,
+        0,
+        ["defines state_dict, load_state_dict, which a checkpoint never calls", "return it from checkpoint_part"],
+    ),
     (["train.eval_every=10", "train.eval_batches=0"], 2, 0, ["train.eval_batches=0"]),
     (["data=text", "data.eval_fraction=1.0"], 2, 0, ["data.eval_fraction=1.0", "[0, 1)"]),
     (["checkpoint=sharded", "checkpoint.interval=0"], 2, 0, ["checkpoint.interval=0"]),
@@ -262,6 +269,16 @@ RULES = [
         ["checkpoint.async=true needs checkpoint=sharded", "Fix: checkpoint=sharded checkpoint.async=true"],
     ),
 ]
+
+
+class StateDictAverager(ReplicaAverager):
+    """State on the averager itself, not on its `checkpoint_part`: a checkpoint would never save it."""
+
+    def state_dict(self) -> dict:
+        return {"seen": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = state["seen"]
 
 
 @pytest.mark.parametrize("overrides,world_size,gpus,expected", RULES, ids=[" ".join(r[0]) + f"@{r[1]}" for r in RULES])
