@@ -159,7 +159,7 @@ class Trainer:
         row = {}
         evaluated = cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == cfg.steps)
         if evaluated:
-            row[metrics.EVAL_LOSS] = evaluate(job.model, job.data, cfg.eval_batches)
+            row.update(evaluate(job.model, job.data, cfg.eval_batches))
         saved = self.checkpointer.after_step(job, step, cfg.steps)
         row.update(saved)
         if not finite:
@@ -219,17 +219,24 @@ def gradient_sync(model: torch.nn.Module, micro_batches: int, last: bool):
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, data: TokenStream, batches: int) -> float:
-    """Mean loss over the first `batches` held-out batches, averaged over ranks
-    (between averagings: over the replicas, each scored on the same data).
+def evaluate(model: torch.nn.Module, data: TokenStream, batches: int) -> dict:
+    """`eval/loss`: the mean loss over the first `batches` held-out batches, averaged
+    over ranks (between averagings: over the replicas, each scored on the same data);
+    with a mixture, `eval/loss/<source>` for each source and `eval/loss` their weighted mean.
     Dropout is off and no RNG is drawn, so an eval pass leaves training bitwise unchanged."""
     model.eval()
-    total = sum(model(*data.eval_batch(index)) for index in range(batches))
+    sources = data.eval_sources()  # a mixture's (name, weight); [] for one dataset
+    which = range(len(sources)) if sources else [None]
+    losses = [mean_over_ranks(sum(model(*data.eval_batch(i, s)) for i in range(batches)) / batches) for s in which]
     model.train()
     for module in model.modules():  # FSDP2 leaves the root unsharded after a forward without backward
         if isinstance(module, FSDPModule):
             module.reshard()
-    return mean_over_ranks(total / batches)
+    if not sources:
+        return {metrics.EVAL_LOSS: losses[0]}
+    row = {metrics.EVAL_SOURCE_LOSS.named(name): loss for (name, _), loss in zip(sources, losses)}
+    row[metrics.EVAL_LOSS] = sum(weight * loss for (_, weight), loss in zip(sources, losses))
+    return row
 
 
 class NonFiniteLossError(RuntimeError):

@@ -74,6 +74,14 @@ EVAL_LOSS = Metric(
     "held-out cross-entropy, mean over ranks (between averagings: over the replicas, each scored on the same batches)",
     "min",
 )
+EVAL_SOURCE_LOSS = Metric(
+    "eval/loss/*",
+    "nats",
+    "every `train.eval_every` steps and the last, with `data.sources`",
+    "held-out cross-entropy on each source of a mixture, mean over ranks (`*`: the source's directory name); "
+    "`eval/loss` is their mean weighted by `data.sources`' weights",
+    "min",
+)
 MEMORY_MAX_RSS = Metric("memory/max_rss_gb", "GiB", LOG + " (CPU)", "peak resident memory of rank 0's process")
 MEMORY_CUDA_MAX = Metric(
     "memory/cuda_max_allocated_gb", "GiB", LOG + " (CUDA)", "peak memory allocated by torch on rank 0's GPU"
