@@ -165,14 +165,19 @@ class Trainer:
         if not finite:
             row[metrics.TRAIN_SKIPPED_NONFINITE] = 1
         if log_step:
-            row.update(self._progress(step, loss, grad_norm, lr))
+            row.update(self._progress(step, loss, grad_norm, lr, row.get(metrics.EVAL_LOSS)))
+        elif evaluated and self.env.is_main:
+            log.info("step %d/%d | eval loss %.4f", step, cfg.steps, row[metrics.EVAL_LOSS])
         if log_step or averaged or evaluated or saved or not finite:
             if job.cross_replica is not None:  # its bytes since the previous logged row
                 row.update(job.cross_replica.step_metrics())
             self.sink.log(row, step)
 
-    def _progress(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | None, lr: float) -> dict:
-        """Loss, speed and memory since the previous log step; rank 0 prints a line."""
+    def _progress(
+        self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | None, lr: float, eval_loss: float | None
+    ) -> dict:
+        """Loss, speed and memory since the previous log step; rank 0 prints a line (with
+        this step's `eval_loss`, if it evaluated)."""
         mean_loss = mean_over_ranks(loss)  # also waits for the device, so the clock below is honest
         since, since_step = self._clock
         step_time = (time.perf_counter() - since) / (step - since_step)
@@ -192,10 +197,11 @@ class Trainer:
             row[metrics.TRAIN_MFU] = tokens_per_s / self.env.world_size * self.job.flops_per_token / peak
         if self.env.is_main:
             log.info(
-                "step %d/%d | loss %.4f | %s tok/s | %.3f s/step",
+                "step %d/%d | loss %.4f%s | %s tok/s | %.3f s/step",
                 step,
                 self.cfg.steps,
                 mean_loss,
+                "" if eval_loss is None else f" | eval loss {eval_loss:.4f}",
                 f"{tokens_per_s:,.0f}",
                 step_time,
             )
