@@ -186,10 +186,10 @@ class Trainer:
         steps where something happened (averaging, eval, a save, a skipped step)."""
         job, cfg = self.job, self.cfg
         averaged = job.cross_replica is not None and job.cross_replica.averaged_this_step
-        row = job.cross_replica.step_metrics() if job.cross_replica is not None else {}
+        row = {}
         evaluated = cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == cfg.steps)
         if evaluated:
-            row[metrics.EVAL_LOSS] = evaluate(job.model, job.data, cfg.eval_batches)
+            row.update(evaluate(job.model, job.data, cfg.eval_batches))
         saved = self.checkpointer.after_step(job, step, cfg.steps)
         row.update(saved)
         if not finite:
@@ -197,12 +197,19 @@ class Trainer:
         if self.replica_group is not None:
             row.update(self.replica_group.step_metrics())
         if log_step:
-            row.update(self._progress(step, loss, grad_norm, lr))
+            row.update(self._progress(step, loss, grad_norm, lr, row.get(metrics.EVAL_LOSS)))
+        elif evaluated and self.env.is_main:
+            log.info("step %d/%d | eval loss %.4f", step, cfg.steps, row[metrics.EVAL_LOSS])
         if log_step or averaged or evaluated or saved or not finite or metrics.FT_QUORUM_TIME in row:
+            if job.cross_replica is not None:  # its bytes since the previous logged row
+                row.update(job.cross_replica.step_metrics())
             self.sink.log(row, step)
 
-    def _progress(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | None, lr: float) -> dict:
-        """Loss, speed and memory since the previous log step; rank 0 prints a line."""
+    def _progress(
+        self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | None, lr: float, eval_loss: float | None
+    ) -> dict:
+        """Loss, speed and memory since the previous log step; rank 0 prints a line (with
+        this step's `eval_loss`, if it evaluated)."""
         mean_loss = mean_over_ranks(loss)  # also waits for the device, so the clock below is honest
         since, since_step = self._clock
         step_time = (time.perf_counter() - since) / (step - since_step)
@@ -222,10 +229,11 @@ class Trainer:
             row[metrics.TRAIN_MFU] = tokens_per_s / self.env.world_size * self.job.flops_per_token / peak
         if self.env.is_main:
             log.info(
-                "step %d/%d | loss %.4f | %s tok/s | %.3f s/step",
+                "step %d/%d | loss %.4f%s | %s tok/s | %.3f s/step",
                 step,
                 self.cfg.steps,
                 mean_loss,
+                "" if eval_loss is None else f" | eval loss {eval_loss:.4f}",
                 f"{tokens_per_s:,.0f}",
                 step_time,
             )
@@ -249,17 +257,24 @@ def gradient_sync(model: torch.nn.Module, micro_batches: int, last: bool):
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, data: TokenStream, batches: int) -> float:
-    """Mean loss over the first `batches` held-out batches, averaged over ranks
-    (between averagings: over the replicas, each scored on the same data).
+def evaluate(model: torch.nn.Module, data: TokenStream, batches: int) -> dict:
+    """`eval/loss`: the mean loss over the first `batches` held-out batches, averaged
+    over ranks (between averagings: over the replicas, each scored on the same data);
+    with a mixture, `eval/loss/<source>` for each source and `eval/loss` their weighted mean.
     Dropout is off and no RNG is drawn, so an eval pass leaves training bitwise unchanged."""
     model.eval()
-    total = sum(model(*data.eval_batch(index)) for index in range(batches))
+    sources = data.eval_sources()  # a mixture's (name, weight); [] for one dataset
+    which = range(len(sources)) if sources else [None]
+    losses = [mean_over_ranks(sum(model(*data.eval_batch(i, s)) for i in range(batches)) / batches) for s in which]
     model.train()
     for module in model.modules():  # FSDP2 leaves the root unsharded after a forward without backward
         if isinstance(module, FSDPModule):
             module.reshard()
-    return mean_over_ranks(total / batches)
+    if not sources:
+        return {metrics.EVAL_LOSS: losses[0]}
+    row = {metrics.EVAL_SOURCE_LOSS.named(name): loss for (name, _), loss in zip(sources, losses)}
+    row[metrics.EVAL_LOSS] = sum(weight * loss for (_, weight), loss in zip(sources, losses))
+    return row
 
 
 class NonFiniteLossError(RuntimeError):

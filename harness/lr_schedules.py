@@ -111,10 +111,15 @@ class LRSchedule:
                 scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
 
 
+def depends_on_total_steps(cfg: DictConfig) -> bool:
+    """The schedule `cfg` (= cfg.lr_scheduler) is a function of the run's length (`train.steps`)."""
+    return "total_steps" in inspect.signature(instantiate(cfg, _partial_=True).func).parameters
+
+
 def build_lr_schedule(cfg: DictConfig, optimizer, total_steps: int) -> LRSchedule:
     """The schedule `cfg` (= cfg.lr_scheduler) names over the local optimizer (before any averaging wrapper)."""
     build = instantiate(cfg, _partial_=True)
-    extra = {"total_steps": total_steps} if "total_steps" in inspect.signature(build.func).parameters else {}
+    extra = {"total_steps": total_steps} if depends_on_total_steps(cfg) else {}
     optimizers = optimizer.optimizers if isinstance(optimizer, StepInBackward) else [optimizer]
     return LRSchedule([build(optimizer=o, **extra) for o in optimizers])
 

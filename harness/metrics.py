@@ -74,18 +74,30 @@ EVAL_LOSS = Metric(
     "held-out cross-entropy, mean over ranks (between averagings: over the replicas, each scored on the same batches)",
     "min",
 )
+EVAL_SOURCE_LOSS = Metric(
+    "eval/loss/*",
+    "nats",
+    "every `train.eval_every` steps and the last, with `data.sources`",
+    "held-out cross-entropy on each source of a mixture, mean over ranks (`*`: the source's directory name); "
+    "`eval/loss` is their mean weighted by `data.sources`' weights",
+    "min",
+)
 MEMORY_MAX_RSS = Metric("memory/max_rss_gb", "GiB", LOG + " (CPU)", "peak resident memory of rank 0's process")
 MEMORY_CUDA_MAX = Metric(
     "memory/cuda_max_allocated_gb", "GiB", LOG + " (CUDA)", "peak memory allocated by torch on rank 0's GPU"
 )
 COMM_GRAD_SYNC_BYTES = Metric(
-    "comm/grad_sync_bytes", "bytes", REPLICAS, "gradient bytes this rank all-reduced across replicas this step"
+    "comm/grad_sync_bytes",
+    "bytes",
+    REPLICAS,
+    "gradient bytes this rank all-reduced across replicas since the previous logged row (rows add up to the total)",
 )
 COMM_AVERAGING_BYTES = Metric(
     "comm/averaging_bytes",
     "bytes",
     REPLICAS,
-    "parameter (DiLoCo: pseudo-gradient) bytes this rank sent into cross-replica averaging this step, in `comm_dtype`",
+    "parameter (DiLoCo: pseudo-gradient) bytes this rank sent into cross-replica averaging since the previous "
+    "logged row, in `comm_dtype`",
 )
 COMM_TOTAL_BYTES = Metric(
     "comm/cross_replica_bytes_total", "bytes", REPLICAS, "running total of this rank's cross-replica bytes"

@@ -142,6 +142,10 @@ def markdown_table(lines: list[dict]) -> str:
 
 
 def plot_run(run: Run, path: Path) -> None:
+    _save(run_figure(run), path)
+
+
+def run_figure(run: Run):
     fig, axes = plt.subplots(2, 2, figsize=(13, 8.5))
     (ax_loss, ax_drift), (ax_speed, ax_ckpt) = axes
     fig.suptitle(f"{run.name}: {describe(run.config)}" if run.config else run.name, fontsize=11)
@@ -154,7 +158,11 @@ def plot_run(run: Run, path: Path) -> None:
     warmup = (run.config.get("averager") or {}).get("warmup_steps")
     if averaged and warmup:
         ax_loss.axvspan(0, warmup, color="grey", alpha=0.12, label=f"synchronous warmup ({warmup} steps)")
-    _labels(ax_loss, "Training loss, averaging steps marked", "step", "loss (cross-entropy, nats)")
+    steps, eval_loss = run.series(metrics.EVAL_LOSS)
+    if eval_loss:
+        ax_loss.plot(steps, eval_loss, marker="s", ms=4, color="tab:red", label="eval/loss (held out)")
+    title = f"Training loss, averaging steps marked\n{logged_steps([run])}"
+    _labels(ax_loss, title, "step", "loss (cross-entropy, nats)")
 
     steps, drift = run.series(metrics.AVERAGER_DRIFT)
     if drift:
@@ -172,8 +180,7 @@ def plot_run(run: Run, path: Path) -> None:
 
     _checkpoint_bars(run, ax_ckpt)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
 def describe(config: dict) -> str:
@@ -224,7 +231,24 @@ def _empty(ax, title: str, text: str) -> None:
     ax.set_yticks([])
 
 
+def logged_steps(runs: list[Run]) -> str:
+    """What a loss curve is drawn from: `train/loss` exists only on logged rows."""
+    every = sorted({str((run.config.get("train") or {}).get("log_every", "?")) for run in runs})
+    if every == ["1"]:
+        return "at every step"
+    return f"at the logged steps only (train.log_every={'/'.join(every)}: lower it for more points)"
+
+
+def _save(fig, path: Path) -> None:
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot_sweep_loss(runs: list[Run], path: Path, title: str, colors: dict[str, str]) -> None:
+    _save(sweep_loss_figure(runs, title, colors), path)
+
+
+def sweep_loss_figure(runs: list[Run], title: str, colors: dict[str, str]):
     fig, ax = plt.subplots(figsize=(10, 6))
     for run in runs:
         steps, loss = run.series(metrics.TRAIN_LOSS)
@@ -237,33 +261,34 @@ def plot_sweep_loss(runs: list[Run], path: Path, title: str, colors: dict[str, s
             color=colors[run.name],
             label=f"{run.name}" + (" (failed)" if failed else ""),
         )
-    _labels(ax, f"Training loss per job: {title}", "step", "loss (cross-entropy, nats)")
+    _labels(ax, f"Training loss per job: {title}\n{logged_steps(runs)}", "step", "loss (cross-entropy, nats)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
 def plot_tradeoff(lines: list[dict], path: Path, title: str, colors: dict[str, str]) -> None:
+    _save(tradeoff_figure(lines, title, colors), path)
+
+
+def tradeoff_figure(lines: list[dict], title: str, colors: dict[str, str]):
     """Final loss against cross-replica traffic and against training time: the
-    trade-off of communication-efficient training in one picture."""
+    trade-off of communication-efficient training in one picture. Jobs are told
+    apart by colour, named in one legend beside the plots (labels at the points
+    overlap and run off the axes as soon as jobs end close together)."""
     evaluated = all(line["eval loss"] is not None for line in lines if line["final loss"] is not None)
     loss_key, loss_label = ("eval loss", "held-out eval/loss") if evaluated else ("final loss", "final training loss")
-    fig, axes = plt.subplots(1, 2, figsize=(15, 6))
+    fig, axes = plt.subplots(1, 2, figsize=(15, 6), layout="constrained")
+    legend = {}
     for ax, x_key, x_label in [
         (axes[0], "cross-replica MB per rank", "cross-replica traffic per rank over the run (MB all-reduced)"),
         (axes[1], "training s", "training time (s, sum of step times; start-up excluded)"),
     ]:
         points = [line for line in lines if line[loss_key] is not None and line[x_key] is not None]
         for line in points:
-            ax.scatter(
-                line[x_key],
-                line[loss_key],
-                s=40,
-                color=colors[line["name"]],
-                marker="o" if line["status"] == "completed" else "x",
-            )
-            ax.annotate(
-                line["name"], (line[x_key], line[loss_key]), fontsize=8, xytext=(5, 4), textcoords="offset points"
+            completed = line["status"] == "completed"
+            label = line["name"] + ("" if completed else f" ({line['status']})")
+            legend[label] = ax.scatter(
+                line[x_key], line[loss_key], s=40, color=colors[line["name"]], marker="o" if completed else "x"
             )
         if not points:
             _empty(ax, title, f"no job logged both a loss and {x_key}")
@@ -271,13 +296,14 @@ def plot_tradeoff(lines: list[dict], path: Path, title: str, colors: dict[str, s
         ax.set_title(f"{loss_label} vs {x_key.split(' per')[0]} (lower left is better)", fontsize=10)
         ax.set_xlabel(x_label)
         ax.set_ylabel(f"{loss_label} at the last step (nats)")
-        ax.set_xlim(left=0)
-        ax.margins(x=0.25, y=0.1)  # room for the labels
+        right = max(line[x_key] for line in points)
+        ax.set_xlim(0, right * 1.08 if right > 0 else 1)  # from 0, the farthest point inside
+        ax.margins(y=0.1)
         ax.grid(alpha=0.3)
+    if legend:
+        fig.legend(legend.values(), legend.keys(), loc="outside right upper", fontsize=8, title="job")
     fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
 def job_dirs(sweep_dir: Path) -> list[Path]:

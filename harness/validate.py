@@ -294,7 +294,26 @@ def _check_sharding_and_averager(cfg: DictConfig, world_size: int, local_world_s
         )
     elif averager_cls is not None and hasattr(averager_cls, "config_errors"):
         errors += averager_cls.config_errors(cfg, replicate)
+    if averager_cls is not None:
+        errors += _averager_state_errors(avg._target_, averager_cls)
     return errors
+
+
+CHECKPOINT_PART_METHODS = ("state_dict", "load_state_dict", "tensor_state_dict", "load_tensor_state_dict")
+
+
+def _averager_state_errors(target: str, cls: type) -> list[str]:
+    """A checkpoint saves an averager's state only through its `checkpoint_part`:
+    state methods on the averager itself would silently never be called."""
+    own = [name for name in CHECKPOINT_PART_METHODS if hasattr(cls, name)]
+    if not own:
+        return []
+    return [
+        f"averager._target_={target} defines {', '.join(own)}, which a checkpoint never calls: an averager's "
+        "state is saved only through its `checkpoint_part` property (None, or an object with state_dict/"
+        "load_state_dict for meta.json and tensor_state_dict/load_tensor_state_dict for tensors, as DiLoCo's "
+        f"OuterState). Fix: move {', '.join(own)} onto such an object and return it from checkpoint_part."
+    ]
 
 
 def _check_checkpoint(cfg: DictConfig) -> list[str]:

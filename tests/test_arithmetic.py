@@ -37,6 +37,7 @@ from harness.averaging import (
 from harness.config import AdamWConf
 from harness.lr_schedules import build_lr_schedule
 from harness.models import GPT, Llama, TokenMLP
+from harness.models.hf import HFCausalLM
 from harness.optim import build_local_optimizer, clip_grad_norm_
 
 
@@ -506,7 +507,8 @@ def test_fsdp2_parameters_and_their_local_shards_group_by_the_full_tensors_dimen
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 def test_llama_flops_per_token_are_torchtitans_count(tie):
     """torchtitan's 6 * (parameters - embedding table) + 12 * layers * heads * head_dim * seq_len,
-    by hand for a GQA shape; a tied table is the output projection too, so it counts then."""
+    by hand for a GQA shape; a tied table is the output projection too, so it counts then.
+    transformers' Llama of the same shape (model=hf) is counted the same way."""
     n_layer, d, heads, kv_heads, vocab, seq_len = 3, 64, 8, 2, 100, 32
     with torch.device("meta"):
         model = Llama(vocab, d, n_layer, heads, kv_heads, multiple_of=32, ffn_dim_multiplier=1.3, tie_embeddings=tie)
@@ -516,3 +518,6 @@ def test_llama_flops_per_token_are_torchtitans_count(tie):
     output = vocab * d  # the output projection (the table itself is a lookup)
     expected = 6 * (n_layer * block + d + output) + 12 * n_layer * heads * head_dim * seq_len
     assert model.flops_per_token(seq_len) == expected
+    shape = {k: model.hf_config()[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers")}
+    shape.update(num_attention_heads=heads, num_key_value_heads=kv_heads, tie_word_embeddings=tie)
+    assert HFCausalLM(vocab, config_overrides=shape).flops_per_token(seq_len) == expected

@@ -265,21 +265,18 @@ def test_only_complete_checkpoints_count_and_leftovers_are_removed(tmp_path, cli
     (ckpts / "step_6.partial" / "__0_0.distcp").write_bytes(b"half")
     (ckpts / "step_8").mkdir()
     before = {p.name: p.stat().st_mtime_ns for p in (ckpts / "step_4").iterdir()}
-    proc = train(
-        run,
-        cli_env,
-        "launcher.nproc=2",
-        "sharding=full_shard",
-        "averager=none",
-        "train.steps=6",
-        "checkpoint=sharded",
-        "checkpoint.interval=2",
-        "checkpoint.keep=2",
-    )
+    common = ["launcher.nproc=2", "sharding=full_shard", "averager=none", "checkpoint=sharded"]
+    common += ["checkpoint.interval=2", "checkpoint.keep=2"]
+    proc = train(run, cli_env, *common, "train.steps=6")
     assert "resumed from" in proc.stdout and "step_4 at step 4" in proc.stdout
     assert "removing incomplete checkpoint" in proc.stdout
     assert steps_saved(run) == ["step_4", "step_6", "step_8"]  # the empty step_8 is not a checkpoint, left alone
     assert {p.name: p.stat().st_mtime_ns for p in (ckpts / "step_4").iterdir()} == before
+    # the same command again: nothing left to train, said so before any rank starts or W&B run opens
+    again = train(run, {**cli_env, "WANDB_MODE": "offline"}, *common, "train.steps=6")
+    assert "already complete at step 6 of 6; nothing to train" in again.stdout, again.stdout
+    assert "resumed from" not in again.stdout and not (run / "wandb").exists()
+    assert steps_saved(run) == ["step_4", "step_6", "step_8"]
 
 
 @pytest.mark.slow

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
@@ -27,6 +29,7 @@ def test_mission_command_under_torchrun_writes_one_run_dir_with_metrics_and_wand
         "averager.warmup_steps=2",
         "train.steps=12",
         "train.log_every=3",
+        "train.eval_every=4",
         "model.n_layer=2",
     ]
     proc = run_cli(args, cli_env, tmp_path, torchrun_nproc=2, script=REPO / "tests" / "probes" / "delayed_rank.py")
@@ -37,8 +40,9 @@ def test_mission_command_under_torchrun_writes_one_run_dir_with_metrics_and_wand
     assert (run_dir / "train.log").exists() and (run_dir / "logs" / "rank1.log").exists()
 
     rows = read_metrics(run_dir)
-    # log steps 1, 3, 6, 9, 12 plus every averaging step (after 0-based iterations 2, 6, 10)
-    assert [r["step"] for r in rows] == [1, 3, 6, 7, 9, 11, 12]
+    # log steps 1, 3, 6, 9, 12 plus every averaging step (after 0-based iterations 2, 6, 10) and eval step
+    assert [r["step"] for r in rows] == [1, 3, 4, 6, 7, 8, 9, 11, 12]
+    assert [r["step"] for r in rows if "eval/loss" in r] == [4, 8, 12]
     assert [r["step"] for r in rows if r["averager/averaged"]] == [3, 7, 11]
     log_rows = [r for r in rows if r["step"] in (1, 3, 6, 9, 12)]
     assert log_rows[-1]["train/loss"] < log_rows[0]["train/loss"]
@@ -55,6 +59,10 @@ def test_mission_command_under_torchrun_writes_one_run_dir_with_metrics_and_wand
         assert all(key in r for r in log_rows), key
     assert all(r["averager/drift"] > 0 for r in rows if r["averager/averaged"])
     assert "step 12/12 | loss" in proc.stdout and "tok/s" in proc.stdout
+    # eval/loss on the console: on the progress line of a log step that evaluates, on its own line otherwise
+    for step in (4, 8, 12):
+        eval_loss = f"eval loss {next(r['eval/loss'] for r in rows if r['step'] == step):.4f}"
+        assert re.search(rf"step {step}/12 \|(.* \|)? {eval_loss}", proc.stdout), (eval_loss, proc.stdout)
 
     [wandb_file] = find_run_files(run_dir / "wandb")
     run = read_run(wandb_file)

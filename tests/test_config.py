@@ -12,13 +12,15 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from harness.averaging import ReplicaAverager
 from harness.checkpoint import resume_path
 from harness.config import ConfigError, plain, register_configs
 from harness.dist import visible_gpus
 from harness.launch import local_rank_count
-from harness.launch.check import train_one_replica_synchronously
+from harness.launch.check import nothing_to_train, resume_warnings, train_one_replica_synchronously
 from harness.mesh import mesh_shape
 from harness.models import build_model
+from harness.plan import plan_run
 from harness.preflight import preflight
 from harness.validate import validate
 
@@ -253,6 +255,12 @@ RULES = [
         0,
         ["averager.outer_optimizer.in_backward=true", "steps at syncs"],
     ),
+    (
+        ["sharding=no_shard", "averager._target_=test_config.StateDictAverager"],
+        2,
+        0,
+        ["defines state_dict, load_state_dict, which a checkpoint never calls", "return it from checkpoint_part"],
+    ),
     (["train.eval_every=10", "train.eval_batches=0"], 2, 0, ["train.eval_batches=0"]),
     (["data=text", "data.eval_fraction=1.0"], 2, 0, ["data.eval_fraction=1.0", "[0, 1)"]),
     (["checkpoint=sharded", "checkpoint.interval=0"], 2, 0, ["checkpoint.interval=0"]),
@@ -264,6 +272,16 @@ RULES = [
         ["checkpoint.async=true needs checkpoint=sharded", "Fix: checkpoint=sharded checkpoint.async=true"],
     ),
 ]
+
+
+class StateDictAverager(ReplicaAverager):
+    """State on the averager itself, not on its `checkpoint_part`: a checkpoint would never save it."""
+
+    def state_dict(self) -> dict:
+        return {"seen": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = state["seen"]
 
 
 @pytest.mark.parametrize("overrides,world_size,gpus,expected", RULES, ids=[" ".join(r[0]) + f"@{r[1]}" for r in RULES])
@@ -415,6 +433,36 @@ def test_resume_checks_name_the_path_and_the_fix(name, overrides, expected, tmp_
     for text in expected:
         assert text in str(info.value), f"{text!r} not in:\n{info.value}"
     assert "Fix:" in str(info.value)
+
+
+SCHEDULE_RESUMES = [  # (lr_scheduler, train.steps of the resumed run, whether it warns)
+    ("warmup_cosine", 60, True),
+    ("wsd", 60, True),
+    ("warmup_cosine", 40, False),  # the same length
+    ("constant", 60, False),  # not a function of the length
+]
+
+
+@pytest.mark.parametrize("schedule,steps,warns", SCHEDULE_RESUMES, ids=[f"{s}-{n}" for s, n, _ in SCHEDULE_RESUMES])
+def test_a_resume_that_changes_the_schedules_length_warns_and_a_finished_run_has_nothing_to_train(
+    schedule, steps, warns, tmp_path
+):
+    run = tmp_path / "run"
+    fake_checkpoint(run / "checkpoints" / "step_40", 40, config={"train": {"steps": 40}})
+    cfg = make(f"lr_scheduler={schedule}", f"train.steps={steps}", "checkpoint=sharded")
+    plan = plan_run(cfg, 2, 2, run)
+    warnings = resume_warnings(cfg, plan)
+    if warns:
+        [warning] = warnings
+        assert "train.steps=60" in warning and "train.steps=40" in warning and "keep train.steps=40" in warning
+    else:
+        assert warnings == []
+    done = nothing_to_train(cfg, plan)
+    assert (done is None) == (steps > 40)
+    if steps == 40:
+        assert done.startswith("already complete at step 40 of 40; nothing to train")
+    less = make(f"lr_scheduler={schedule}", "train.steps=30", "checkpoint=sharded")
+    assert "at step 40, past train.steps=30; nothing to train" in nothing_to_train(less, plan_run(less, 2, 2, run))
 
 
 def test_resume_auto_picks_the_latest_complete_checkpoint(tmp_path):

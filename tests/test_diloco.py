@@ -138,6 +138,27 @@ def test_fragments_sync_once_per_period_each_split_the_bytes_and_overlap_a_step(
 
 
 @pytest.mark.slow
+def test_logged_rows_carry_every_byte_whatever_log_every_is(tmp_path, cli_env):
+    """sync_delay 1, log_every 10: the syncs start at steps 6, 10 and 14, only 10
+    a log step; each logged row carries the bytes since the previous one, so
+    the rows add up to the running total and every start's bytes show."""
+    rows = train(
+        tmp_path / "run",
+        cli_env,
+        *LOCAL,
+        "train.steps=15",
+        "train.log_every=10",
+        "averager=diloco",
+        "averager.sync_delay=1",
+    )
+    assert sorted(syncs(rows)) == [7, 11, 15]
+    whole = 4 * sum(p.numel() for p in build_model(make("model=mlp").model, 16).parameters())
+    assert sum(r["comm/averaging_bytes"] for r in rows) == 3 * whole
+    sent = sum(r["comm/averaging_bytes"] + r["comm/grad_sync_bytes"] for r in rows)
+    assert sent == rows[-1]["comm/cross_replica_bytes_total"]
+
+
+@pytest.mark.slow
 def test_eval_pass_scores_held_out_text_and_leaves_training_unchanged(tmp_path, cli_env):
     common = [*LOCAL, "averager=diloco", "data=text", "model=llama", "model.d_model=64", "model.dropout=0.1"]
     common.append("train.steps=6")

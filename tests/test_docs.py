@@ -408,3 +408,23 @@ def test_every_metric_named_in_the_docs_is_declared():
                 ):
                     unknown.append(f"{path.relative_to(REPO)}:{number}: `{name}`")
     assert not unknown, "metric names in the docs that harness/metrics.py does not declare:\n" + "\n".join(unknown)
+
+
+def test_the_checkpoint_parts_tables_name_every_part_of_a_job():
+    """docs/design.md's parts table and docs/checkpoints.md's meta.json row name
+    exactly the parts `Job.checkpoint_parts()` returns (called on a stand-in job:
+    it only reads the attributes)."""
+    from types import SimpleNamespace
+
+    from harness.job import Job
+
+    parts = set(Job.checkpoint_parts(SimpleNamespace(data=0, cross_replica=0, lr_schedule=0)))
+    design = (REPO / "docs" / "design.md").read_text(encoding="utf-8")
+    table = design.split("## A checkpoint is a set of named stateful parts")[1].split("\n\n")[2]
+    rows = [line.split("|")[1].strip() for line in table.splitlines()[2:]]
+    named = {row.strip("`") for row in rows if row.startswith("`")} - {"model", "optim"}
+    assert named == parts, f"docs/design.md's parts table names {sorted(named)}; the job's parts: {sorted(parts)}"
+    checkpoints = (REPO / "docs" / "checkpoints.md").read_text(encoding="utf-8")
+    meta_row = next(line for line in checkpoints.splitlines() if line.startswith("| `meta.json` |"))
+    missing = [part for part in sorted(parts) if f"`{part}`:" not in meta_row]
+    assert not missing, f"docs/checkpoints.md's meta.json row does not describe the parts {missing}"

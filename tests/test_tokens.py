@@ -342,4 +342,8 @@ def test_prepare_cli_then_two_ranks_train_on_a_mixture(dataset, tmp_path, cli_en
     read = last[f"data/tokens/{out.name}"] + last[f"data/tokens/{other.name}"]
     assert read == 8 * 2 * 4 * 17  # every token read, from one source or the other
     assert 0.5 < last[f"data/tokens/{out.name}"] / read < 0.9
-    assert [r["step"] for r in rows if "eval/loss" in r] == [4, 8]
+    evaluated = [r for r in rows if "eval/loss" in r]
+    assert [r["step"] for r in evaluated] == [4, 8]
+    for r in evaluated:  # each source scored on its own held-out shards; eval/loss their weighted mean
+        a, b = r[f"eval/loss/{out.name}"], r[f"eval/loss/{other.name}"]
+        assert a != b and r["eval/loss"] == pytest.approx(0.7 * a + 0.3 * b, rel=1e-9)

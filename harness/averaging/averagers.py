@@ -75,7 +75,8 @@ class ReplicaAverager(ModelAverager):
     def average_parameters(self, params) -> None:
         group = self.group_to_average()
         if group is not None:
-            time_s, self.traffic.averaging_bytes, drift = average_local_shards(params, group, self.comm_dtype)
+            time_s, nbytes, drift = average_local_shards(params, group, self.comm_dtype)
+            self.traffic.add_averaging(nbytes)
             if drift is not None:  # None: a fault-tolerant sync that did not commit, so nothing was averaged
                 self.traffic.averaged = {metrics.AVERAGER_DRIFT: drift, metrics.AVERAGER_TIME: time_s}
         self.step += 1

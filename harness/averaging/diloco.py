@@ -112,11 +112,11 @@ class DiLoCoAverager(ReplicaAverager):
 
     def start_sync(self, fragment: int) -> None:
         """Form the fragment's pseudo-gradients and start averaging them across replicas
-        (their bytes count on this step's row)."""
+        (their bytes count on the next logged row)."""
         start = time.perf_counter()
         self.outer.start_sync(fragment, self.step + self.sync_delay, self.link, self.comm_dtype)
         self.outer.in_flight.blocked_s = time.perf_counter() - start
-        self.traffic.averaging_bytes = sum(c.nbytes for c in self.outer.in_flight.collectives)
+        self.traffic.add_averaging(sum(c.nbytes for c in self.outer.in_flight.collectives))
 
     def finish_sync(self) -> None:
         """Wait for the fragment's mean pseudo-gradient, take the outer step, set the

@@ -1,4 +1,4 @@
-"""Byte accounting of what crosses replicas, reported per step."""
+"""Byte accounting of what crosses replicas, reported on logged rows."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ from harness import metrics
 class CrossReplicaTraffic:
     """Bytes this rank put into cross-replica collectives (the reduced buffers'
     sizes in the dtype they were sent in; a ring all-reduce sends about
-    2(R-1)/R times that on the wire), and the figures of this step's averaging."""
+    2(R-1)/R times that on the wire), and the figures of this step's averaging.
+    The per-kind counts run since the previous logged row, so the rows add up
+    to the running total whatever `train.log_every` is."""
 
     grad_sync_bytes: int = 0
     averaging_bytes: int = 0
@@ -22,10 +24,14 @@ class CrossReplicaTraffic:
 
     def add_grad(self, tensor: torch.Tensor) -> None:
         self.grad_sync_bytes += tensor.numel() * tensor.element_size()
+        self.total_bytes += tensor.numel() * tensor.element_size()
+
+    def add_averaging(self, nbytes: int) -> None:
+        self.averaging_bytes += nbytes
+        self.total_bytes += nbytes
 
     def step_metrics(self, averager_step: int | None) -> dict:
-        """This step's figures, then reset for the next step."""
-        self.total_bytes += self.grad_sync_bytes + self.averaging_bytes
+        """A logged row's figures (bytes since the previous logged row), then reset for the next."""
         row = {
             metrics.COMM_GRAD_SYNC_BYTES: self.grad_sync_bytes,
             metrics.COMM_AVERAGING_BYTES: self.averaging_bytes,

@@ -15,7 +15,8 @@ sample - none skipped, none read twice.
 A data source is a class named by `data._target_`, built from its config keys
 plus `vocab_size` and `seed`, with `samples(first, count, length)` and, for
 `train.eval_every`, `eval_samples(first, count, length)` from data it never
-trains on (text: the corpus's last `data.eval_fraction` of bytes). Its
+trains on (text: the corpus's last `data.eval_fraction` of bytes); a mixture
+also names its sources in `eval_sources()` and takes `source=` there. Its
 constructor refuses bad arguments with a ValueError naming the key and the fix
 (`validate` builds it to ask, so it must be cheap); a source that reads files
 checks them in `preflight_errors()` and loads them in `open()`, which every
@@ -72,11 +73,18 @@ class TokenStream:
             self.samples += self.world_size * per_rank
         return seqs[:, :-1], seqs[:, 1:]
 
-    def eval_batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Held-out batch `index`: the same on every rank, so every replica is scored on the same data."""
-        first = index * self.batch_size
-        seqs = self.source.eval_samples(first, self.batch_size, self.seq_len + 1).to(self.device, non_blocking=True)
+    def eval_batch(self, index: int, source: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Held-out batch `index` (of a mixture's source `source`): the same on every rank,
+        so every replica is scored on the same data."""
+        first, which = index * self.batch_size, {} if source is None else {"source": source}
+        seqs = self.source.eval_samples(first, self.batch_size, self.seq_len + 1, **which)
+        seqs = seqs.to(self.device, non_blocking=True)
         return seqs[:, :-1], seqs[:, 1:]
+
+    def eval_sources(self) -> list[tuple[str, float]]:
+        """A mixture's sources, scored one by one, with their weights (sum 1); [] otherwise."""
+        sources = getattr(self.source, "eval_sources", None)
+        return sources() if sources is not None else []
 
     def tokens_read(self) -> dict:
         """Per-source token counts of a mixture so far (`data/tokens/*`), from the global position."""

@@ -204,7 +204,8 @@ class TokenShards:
         self.sources = [TokenSource(e["path"], format, vocab_size, key.format(i)) for i, e in enumerate(entries)]
         names = [Path(e["path"]).name for e in entries]  # the dashboard's data/tokens/<name>: unique
         self.names = names if len(set(names)) == len(names) else [f"{i}_{n}" for i, n in enumerate(names)]
-        self.mixture = Mixture([float(e["weight"]) for e in entries], seed) if len(entries) > 1 else None
+        self.weights = [float(e["weight"]) for e in entries]
+        self.mixture = Mixture(self.weights, seed) if len(entries) > 1 else None
         self.seed = seed
         self.splits: list[dict[str, TokenFiles]] = []
 
@@ -238,9 +239,16 @@ class TokenShards:
         served = self.mixture.samples_per_source(samples)
         return {metrics.DATA_SOURCE_TOKENS.named(name): n * length for name, n in zip(self.names, served)}
 
-    def eval_samples(self, first: int, count: int, length: int) -> torch.Tensor:
-        """Consecutive windows of the first source's held-out shards (wrapping around)."""
-        files = self.splits[0]["eval"]
+    def eval_sources(self) -> list[tuple[str, float]]:
+        """A mixture's held-out sets, each scored on its own (`eval/loss/<name>`), with their
+        share of the weight (`eval/loss` is the weighted mean); none for one dataset."""
+        if self.mixture is None:
+            return []
+        return [(name, weight / sum(self.weights)) for name, weight in zip(self.names, self.weights)]
+
+    def eval_samples(self, first: int, count: int, length: int, source: int = 0) -> torch.Tensor:
+        """Consecutive windows of source `source`'s held-out shards (wrapping around)."""
+        files = self.splits[source]["eval"]
         windows = int(files.windows(length)[-1])
         return files.rows(np.arange(first, first + count) % max(windows, 1), length)
 

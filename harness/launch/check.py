@@ -10,9 +10,11 @@ from pathlib import Path
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from harness.checkpoint import read_meta
 from harness.config import ConfigError, NoAveragerConf
 from harness.dist import print_once, resolve_device, under_torchrun, visible_gpus
 from harness.launch.logs import setup_logging
+from harness.lr_schedules import depends_on_total_steps
 from harness.mesh import HYBRID, mesh_shape
 from harness.plan import RunPlan, averager_configured, plan_run
 from harness.preflight import preflight
@@ -55,9 +57,44 @@ def check_config(cfg: DictConfig, world_size: int, local_world_size: int, run_di
     setup_logging(run_dir, rank)
     if rank == 0:
         save_hydra_config(cfg, run_dir)
-        for warning in ([note] if note else []) + config_warnings(cfg):
+        for warning in ([note] if note else []) + config_warnings(cfg) + resume_warnings(cfg, plan):
             log.warning("%s", warning)
     return plan
+
+
+def resume_warnings(cfg: DictConfig, plan: RunPlan) -> list[str]:
+    """A resume that silently changes the learning-rate curve still to run: the
+    schedule is a function of `train.steps`, and the checkpoint's run had another."""
+    if plan.resume_from is None or not depends_on_total_steps(cfg.lr_scheduler):
+        return []
+    saved = OmegaConf.select(OmegaConf.create(read_meta(plan.resume_from).get("config") or {}), "train.steps")
+    if saved is None or saved == cfg.train.steps:
+        return []
+    return [
+        f"train.steps={cfg.train.steps}, but the checkpoint at {plan.resume_from} was saved by a run of "
+        f"train.steps={saved}; lr_scheduler._target_={cfg.lr_scheduler._target_} depends on it, so the steps "
+        f"still to run follow the curve of {cfg.train.steps} steps, not the one the run began on. For that one "
+        f"keep train.steps={saved}."
+    ]
+
+
+def nothing_to_train(cfg: DictConfig, plan: RunPlan) -> str | None:
+    """Why the run has nothing to train (its checkpoint is at or past `train.steps`),
+    said before any rank starts or W&B run opens; None when it has."""
+    if plan.resume_from is None:
+        return None
+    step, steps = read_meta(plan.resume_from)["step"], cfg.train.steps
+    if step < steps:
+        return None
+    if step == steps:
+        return (
+            f"already complete at step {step} of {steps}; nothing to train ({plan.resume_from}). To train on, "
+            "raise train.steps; to start over, a new hydra.run.dir or checkpoint.resume=never."
+        )
+    return (
+        f"the checkpoint at {plan.resume_from} is at step {step}, past train.steps={steps}; nothing to train. "
+        f"To train on, train.steps above {step}."
+    )
 
 
 def refuse(error: ConfigError, world_size: int, rank: int) -> None:

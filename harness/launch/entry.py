@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 from harness import fault_tolerance
 from harness.config import ConfigError
 from harness.dist import under_torchrun
-from harness.launch.check import check_config, local_rank_count, refuse
+from harness.launch.check import check_config, local_rank_count, nothing_to_train, refuse
 from harness.launch.ranks import start_local_ranks, train_or_exit
 from harness.sweep import name_wandb_run, write_result
 
@@ -47,6 +47,9 @@ def start(cfg: DictConfig) -> dict | None:
         refuse(e, world_size, rank)
         _remove_if_empty(run_dir)
         sys.exit(2)
+    if done := nothing_to_train(cfg, plan):
+        log.info("%s", done)
+        return None
     if torchrun or world_size == 1:
         train_or_exit(cfg, run_dir, plan)
     elif fault_tolerance.enabled(cfg):
@@ -69,6 +72,9 @@ def sweep_job(cfg: DictConfig, hydra_cfg: DictConfig, run_dir: Path) -> dict:
     except ConfigError as e:
         refuse(e, nproc, rank=0)
         return write_result(run_dir, hydra_cfg, name, 2, str(e).splitlines()[0])
+    if done := nothing_to_train(cfg, plan):
+        log.info("job %d: %s", hydra_cfg.job.num, done)
+        return write_result(run_dir, hydra_cfg, name, 0, "")
     try:
         failure = start_local_ranks(cfg, run_dir, plan)
     except Exception as e:  # the launcher itself failed (rendezvous, fork): still this job's failure alone
