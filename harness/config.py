@@ -187,6 +187,11 @@ class LlamaConf(ModelHarnessKeys):
     ffn_dim_multiplier: Optional[float] = None  # scales the SwiGLU width (2/3 of 4 * d_model) before rounding
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
+    # Llama 3.1's RoPE frequency scaling as config.json spells it: {rope_type: llama3, factor,
+    # low_freq_factor, high_freq_factor, original_max_position_embeddings}; null = none
+    rope_scaling: Optional[Dict[str, Any]] = None
+    # the context length config.json records (export writes it; positions are not limited by it); null = train.seq_len
+    max_position_embeddings: Optional[int] = None
     tie_embeddings: bool = False  # the output projection is the embedding table
     vocab_size: int = 256
     dropout: float = 0.0  # attention and residual dropout (drawn from each rank's seeded torch RNG)

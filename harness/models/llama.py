@@ -30,13 +30,77 @@ def ffn_hidden_size(d_model: int, multiple_of: int, ffn_dim_multiplier: float | 
     return multiple_of * -(-hidden // multiple_of)
 
 
-def rotary_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, ...]:
+# Llama 3.1's RoPE scaling (transformers' rope_type "llama3"): the keys of config.json's rope_scaling
+LLAMA3_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None, device: torch.device) -> torch.Tensor:
+    """Each channel pair's rotation per position, (head_dim / 2,) in float32. With Llama 3.1's
+    `scaling`, wavelengths longer than original_max_position_embeddings / low_freq_factor turn
+    `factor` times slower, those shorter than original / high_freq_factor stay, and those between
+    are interpolated: transformers' `_compute_llama3_parameters`, operation for operation, so the
+    logits match theirs to float32 rounding."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    if scaling is None:
+        return inv_freq
+    factor, low, high, original = (scaling[k] for k in LLAMA3_SCALING_KEYS)
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < original / high) * ~(wavelen > original / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rotary_cos_sin(
+    seq_len: int, head_dim: int, theta: float, scaling: dict | None, device: torch.device
+) -> tuple[torch.Tensor, ...]:
     """cos and sin of each position's angles, (seq_len, head_dim), in float32; computed per
     forward (a few kFLOPs), so no buffer has to survive the meta-device build or meet FSDP2 and DCP."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    inv_freq = inverse_frequencies(head_dim, theta, scaling, device)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
+
+
+def check_rope_scaling(scaling: dict | None) -> dict | None:
+    """`model.rope_scaling` as transformers' config.json spells it (rope_type llama3 and its four
+    keys), or null for none; ValueError naming the key, the value and the fix otherwise."""
+    if scaling is None:
+        return None
+    if not isinstance(scaling, dict):
+        raise ValueError(
+            f"model.rope_scaling={scaling!r} is not a mapping. Fix: model.rope_scaling=null, or Llama 3.1's "
+            "{rope_type: llama3, factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, "
+            "original_max_position_embeddings: 8192}."
+        )
+    kind = scaling.get("rope_type")
+    if kind != "llama3":
+        raise ValueError(
+            f"model.rope_scaling.rope_type={kind!r}: model=llama computes Llama 3.1's RoPE scaling "
+            "(rope_type llama3) only. Fix: model=hf model.config=<the checkpoint's directory> (transformers "
+            "computes every rope type: yarn, dynamic, linear, longrope, ...), or model.rope_scaling=null."
+        )
+    missing = [k for k in LLAMA3_SCALING_KEYS if k not in scaling]
+    unknown = sorted(set(scaling) - {"rope_type", *LLAMA3_SCALING_KEYS})
+    if missing or unknown:
+        raise ValueError(
+            f"model.rope_scaling={scaling!r} "
+            + (f"lacks {', '.join(missing)}" if missing else f"has keys llama3 scaling does not take: {unknown}")
+            + f". Fix: give exactly rope_type: llama3 and {', '.join(LLAMA3_SCALING_KEYS)} "
+            "(Llama 3.1: 8.0, 1.0, 4.0, 8192; Llama 3.2: 32.0, 1.0, 4.0, 8192)."
+        )
+    values = {k: scaling[k] for k in LLAMA3_SCALING_KEYS}
+    bad = [f"model.rope_scaling.{k}={v}" for k, v in values.items() if isinstance(v, bool) or not v > 0]
+    if bad or not values["high_freq_factor"] > values["low_freq_factor"]:
+        raise ValueError(
+            f"{', '.join(bad) or 'model.rope_scaling'}: the factors and original_max_position_embeddings must "
+            "be positive and high_freq_factor above low_freq_factor "
+            f"(given {values['low_freq_factor']} and {values['high_freq_factor']}). "
+            "Fix: Llama 3.1's values: factor 8.0, low_freq_factor 1.0, high_freq_factor 4.0, "
+            "original_max_position_embeddings 8192."
+        )
+    return {"rope_type": "llama3", **values}
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -98,8 +162,10 @@ class LlamaBlock(nn.Module):
 
 class Llama(nn.Module):
     """Llama 3 decoder; attention and residual dropout as GPT's. `n_kv_heads`
-    null means one key/value head per query head (no grouping). `seq_len` is
-    taken and unused: rotary positions need no table."""
+    null means one key/value head per query head (no grouping); `rope_scaling`
+    is Llama 3.1's (config.json's dict, rope_type llama3), null for none.
+    Rotary positions need no table: `max_position_embeddings` (else `seq_len`)
+    is only the context length the exported config.json records."""
 
     def __init__(
         self,
@@ -112,8 +178,10 @@ class Llama(nn.Module):
         ffn_dim_multiplier: float | None = None,
         norm_eps: float = 1e-5,
         rope_theta: float = 500000.0,
+        rope_scaling: dict | None = None,
         tie_embeddings: bool = False,
         dropout: float = 0.0,
+        max_position_embeddings: int | None = None,
         seq_len: int | None = None,
     ):
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
@@ -127,12 +195,15 @@ class Llama(nn.Module):
         )
         require_probability(dropout)
         scales = {"ffn_dim_multiplier": ffn_dim_multiplier, "norm_eps": norm_eps, "rope_theta": rope_theta}
+        scales["max_position_embeddings"] = max_position_embeddings
         for key, value in scales.items():
             if value is not None and not value > 0:
                 raise ValueError(f"model.{key}={value} must be positive. Fix: set model.{key} to a positive number.")
         check_heads(d_model, n_heads, n_kv_heads)
+        rope_scaling = check_rope_scaling(rope_scaling)
         super().__init__()
         self.head_dim, self.rope_theta, self.tie_embeddings = d_model // n_heads, rope_theta, tie_embeddings
+        self.rope_scaling, self.max_position_embeddings = rope_scaling, max_position_embeddings or seq_len
         hidden = ffn_hidden_size(d_model, multiple_of, ffn_dim_multiplier)
         self.tok_embeddings = nn.Embedding(vocab_size, d_model)
         self.blocks = nn.ModuleList(
@@ -173,7 +244,8 @@ class Llama(nn.Module):
             "head_dim": self.head_dim,
             "hidden_act": "silu",
             "rms_norm_eps": self.norm.eps,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            **({"max_position_embeddings": self.max_position_embeddings} if self.max_position_embeddings else {}),
+            "rope_parameters": {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta},
             "tie_word_embeddings": self.tie_embeddings,
             "attention_dropout": attention.dropout,
             "attention_bias": False,
@@ -201,7 +273,7 @@ class Llama(nn.Module):
         return nn.init.trunc_normal_(value, std=std, generator=generator)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        cos, sin = rotary_cos_sin(tokens.shape[1], self.head_dim, self.rope_theta, tokens.device)
+        cos, sin = rotary_cos_sin(tokens.shape[1], self.head_dim, self.rope_theta, self.rope_scaling, tokens.device)
         x = self.tok_embeddings(tokens)
         for block in self.blocks:
             x = block(x, cos, sin)
