@@ -185,6 +185,7 @@ class LlamaConf(ModelHarnessKeys):
     n_kv_heads: Optional[int] = 2  # key/value heads of grouped-query attention; null = n_heads
     multiple_of: int = 256  # the SwiGLU width is rounded up to a multiple of this
     ffn_dim_multiplier: Optional[float] = None  # scales the SwiGLU width (2/3 of 4 * d_model) before rounding
+    intermediate_size: Optional[int] = None  # the SwiGLU width; null = the rule of the two keys above
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
     # Llama 3.1's RoPE frequency scaling as config.json spells it: {rope_type: llama3, factor,

@@ -5,6 +5,7 @@ weights that do not fit, before any rank starts."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -17,8 +18,8 @@ from safetensors.torch import load_file
 
 from harness.config import ConfigError, register_configs
 from harness.data import build_data
+from harness.launch.check import settle_config
 from harness.models import build_model, materialize
-from harness.validate import validate
 
 from support import REPO, check_ok, losses, read_metrics, run_cli
 
@@ -90,7 +91,8 @@ def test_export_loads_in_transformers_and_init_from_reads_it_back_bitwise(model,
     for name, param in theirs.named_parameters():
         assert torch.equal(param, exported[name]), name
 
-    cfg = make(*model_args, f"model.init_from={out}", *SMALL)
+    # init_from alone gives the architecture (config.json's), as from_pretrained(out) takes it
+    cfg = settle([f"model={model}", f"model.init_from={out}", *SMALL], tmp_path)
     ours = build_model(cfg.model, cfg.train.seq_len)
     materialize(ours, CPU, seed=123, init_from=cfg.model.init_from)
     state = dict(ours.named_parameters())
@@ -99,8 +101,15 @@ def test_export_loads_in_transformers_and_init_from_reads_it_back_bitwise(model,
         assert torch.equal(state[fqn], exported[hf]), fqn  # harness -> HF -> harness is bitwise
 
     sharded = tmp_path / "sharded"
-    args = [*SMALL, *model_args, f"model.init_from={out}", "launcher.nproc=2", "sharding=full_shard"]
-    check_ok(run_cli([*args, "averager=none", "train.steps=1", f"hydra.run.dir={sharded}"], cli_env, tmp_path))
+    args = [*SMALL, f"model={model}", f"model.init_from={out}", "launcher.nproc=2", "sharding=full_shard"]
+    proc = run_cli([*args, "averager=none", "train.steps=1", f"hydra.run.dir={sharded}"], cli_env, tmp_path)
+    check_ok(proc)
+    recorded = OmegaConf.to_container(OmegaConf.load(sharded / ".hydra" / "config.yaml").model)
+    assert recorded == OmegaConf.to_container(cfg.model), "the run records what it built"
+    assert (
+        f"model.init_from={out}: the architecture from its config.json: llama, 2 layers, hidden size 64"
+        in (sharded / "train.log").read_text()
+    )
     # the run's first global batch (2 ranks x 4), read in one process
     tokens, targets = build_data(make(*args, "train.batch_size=8"), rank=0, world_size=1, device=CPU).next_batch()
     logits = []
@@ -119,38 +128,85 @@ def init_from_case(tmp_path: Path, case: str) -> list[str]:
     if case == "missing":
         return [*LLAMA, f"model.init_from={tmp_path / 'nowhere'}"]
     if case == "no safetensors":
-        (tmp_path / "bin").mkdir()
+        save_tiny_llama(tmp_path / "bin")
+        for file in (tmp_path / "bin").glob("*.safetensors"):
+            file.unlink()
         torch.save({}, tmp_path / "bin" / "pytorch_model.bin")
-        return [*LLAMA, f"model.init_from={tmp_path / 'bin'}"]
-    if case == "shape":
+        return ["model=llama", f"model.init_from={tmp_path / 'bin'}"]
+    if case == "contradicted":
         save_tiny_llama(tmp_path / "wide", hidden_size=128, intermediate_size=512)
-        return [*LLAMA, f"model.init_from={tmp_path / 'wide'}"]
-    if case == "extra tensor":  # an untied checkpoint for a tied model: its lm_head would be dropped
-        save_tiny_llama(tmp_path / "untied", intermediate_size=256)
-        return [*LLAMA, "model.tie_embeddings=true", f"model.init_from={tmp_path / 'untied'}"]
+        return [*LLAMA, "model.tie_embeddings=true", f"model.init_from={tmp_path / 'wide'}"]
+    if case == "contradicted width":
+        save_tiny_llama(tmp_path / "wide", hidden_size=128, intermediate_size=512)
+        return ["model=llama", "model.multiple_of=64", f"model.init_from={tmp_path / 'wide'}"]
+    if case == "shape":  # config.json that does not describe its weights
+        save_tiny_llama(tmp_path / "llama")
+        config = json.loads((tmp_path / "llama" / "config.json").read_text())
+        (tmp_path / "llama" / "config.json").write_text(json.dumps({**config, "vocab_size": 128}))
+        return ["model=llama", f"model.init_from={tmp_path / 'llama'}"]
+    if case == "extra tensor":  # a config.json that ties the table over weights with an lm_head of its own
+        save_tiny_llama(tmp_path / "untied")
+        config = json.loads((tmp_path / "untied" / "config.json").read_text())
+        (tmp_path / "untied" / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+        return ["model=llama", f"model.init_from={tmp_path / 'untied'}"]
     if case == "no hf layout":
         save_tiny_llama(tmp_path / "llama")
         return ["model=mlp", f"model.init_from={tmp_path / 'llama'}"]
     if case == "config vocab":
         save_tiny_llama(tmp_path / "vocab")
         return ["model=hf", f"model.config={tmp_path / 'vocab'}", "model.vocab_size=512"]
+    if case == "not a llama":
+        save_tiny_qwen2(tmp_path / "qwen2")
+        return ["model=llama", f"model.init_from={tmp_path / 'qwen2'}"]
+    if case == "yarn":
+        save_tiny_llama(tmp_path / "yarn", rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4})
+        return ["model=llama", f"model.init_from={tmp_path / 'yarn'}"]
+    if case == "no config.json":
+        save_tiny_llama(tmp_path / "bare")
+        (tmp_path / "bare" / "config.json").unlink()
+        return ["model=hf", f"model.init_from={tmp_path / 'bare'}"]
     raise AssertionError(case)
+
+
+def save_tiny_qwen2(path: Path) -> None:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=256, num_key_value_heads=2, **shape)).save_pretrained(path)
 
 
 INIT_FROM_CASES = [
     ("missing", ["model.init_from=", "nowhere", "no such directory", "Fix:"]),
     ("no safetensors", ["holds no *.safetensors", "save_pretrained(..., safe_serialization=True)"]),
-    ("shape", ["tensor 'model.embed_tokens.weight' has shape [256, 128], the model's is [256, 64]", "Fix:"]),
+    (
+        "contradicted",
+        [
+            "command line contradicts it: model.d_model=64 (config.json: 128); model.tie_embeddings=true (config.json: "
+            "false). Fix: drop those model keys"
+        ],
+    ),
+    ("contradicted width", ["model.multiple_of=64", "SwiGLU width of 384 (config.json: intermediate_size=512)"]),
+    ("shape", ["tensor 'model.embed_tokens.weight' has shape [256, 64], the model's is [128, 64]", "Fix:"]),
     ("extra tensor", ["holds tensor 'lm_head.weight'", "model.tie_embeddings", "Fix:"]),
     ("no hf layout", ["model TokenMLP has no Hugging Face layout", "Fix: model=llama or model=hf"]),
     ("config vocab", ["model.vocab_size=512 differs from", "vocab_size=256", "Fix: model.vocab_size=256"]),
+    ("not a llama", ["Qwen2Config (model_type='qwen2'), not a Llama", "Fix: model=hf model.init_from="]),
+    ("yarn", ["rope_type='yarn'", "Fix: model=hf model.init_from="]),
+    ("no config.json", ["holds no config.json", "Fix:"]),
 ]
+
+
+def settle(overrides: list[str], tmp_path: Path):
+    """The config `python train.py <overrides>` runs with, settled as before any rank starts."""
+    cfg = make(*overrides)
+    settle_config(cfg, 2, 2, tmp_path / "settled", overrides)
+    return cfg
 
 
 @pytest.mark.parametrize("case,expected", INIT_FROM_CASES, ids=[c[0] for c in INIT_FROM_CASES])
 def test_weights_that_do_not_fit_are_refused_before_any_rank_starts(case, expected, tmp_path):
     with pytest.raises(ConfigError) as info:
-        validate(make(*init_from_case(tmp_path, case)), world_size=2, gpus=0)
+        settle(init_from_case(tmp_path, case), tmp_path)
     for text in expected:
         assert text in str(info.value), f"{text!r} not in:\n{info.value}"
 

@@ -176,6 +176,7 @@ class Llama(nn.Module):
         n_kv_heads: int | None = None,
         multiple_of: int = 256,
         ffn_dim_multiplier: float | None = None,
+        intermediate_size: int | None = None,
         norm_eps: float = 1e-5,
         rope_theta: float = 500000.0,
         rope_scaling: dict | None = None,
@@ -195,7 +196,7 @@ class Llama(nn.Module):
         )
         require_probability(dropout)
         scales = {"ffn_dim_multiplier": ffn_dim_multiplier, "norm_eps": norm_eps, "rope_theta": rope_theta}
-        scales["max_position_embeddings"] = max_position_embeddings
+        scales.update(intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings)
         for key, value in scales.items():
             if value is not None and not value > 0:
                 raise ValueError(f"model.{key}={value} must be positive. Fix: set model.{key} to a positive number.")
@@ -204,7 +205,7 @@ class Llama(nn.Module):
         super().__init__()
         self.head_dim, self.rope_theta, self.tie_embeddings = d_model // n_heads, rope_theta, tie_embeddings
         self.rope_scaling, self.max_position_embeddings = rope_scaling, max_position_embeddings or seq_len
-        hidden = ffn_hidden_size(d_model, multiple_of, ffn_dim_multiplier)
+        hidden = intermediate_size or ffn_hidden_size(d_model, multiple_of, ffn_dim_multiplier)
         self.tok_embeddings = nn.Embedding(vocab_size, d_model)
         self.blocks = nn.ModuleList(
             LlamaBlock(d_model, n_heads, n_kv_heads, hidden, norm_eps, dropout) for _ in range(n_layer)
@@ -279,6 +280,46 @@ class Llama(nn.Module):
             x = block(x, cos, sin)
         logits = self.output(self.norm(x))
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def keys_from_hf_config(hf, init_from: str) -> dict:
+    """model=llama's architecture keys from transformers config `hf` (read from `init_from`'s
+    config.json); ValueError with the fix `model=hf` for what model=llama does not compute."""
+    key = f"model.init_from={init_from!r}"
+    if hf.model_type != "llama":
+        raise ValueError(
+            f"{key}: its config.json is a {type(hf).__name__} (model_type={hf.model_type!r}), not a Llama. "
+            f"Fix: model=hf model.init_from={init_from} (any transformers causal LM)."
+        )
+    rope = dict(hf.rope_parameters)
+    theta, kind = rope.pop("rope_theta"), rope.get("rope_type", "default")
+    unsupported = {
+        "hidden_act": (hf.hidden_act, "silu"),
+        "attention_bias": (hf.attention_bias, False),
+        "mlp_bias": (hf.mlp_bias, False),
+        "head_dim": (hf.head_dim, hf.hidden_size // hf.num_attention_heads),
+        "rope_type": (kind, "default or llama3"),
+        "partial_rotary_factor": (rope.pop("partial_rotary_factor", 1.0), 1.0),
+    }
+    for name, (value, ours) in unsupported.items():
+        if value != ours and not (name == "rope_type" and kind in ("default", "llama3")):
+            raise ValueError(
+                f"{key}: its config.json has {name}={value!r}, and model=llama computes {name}={ours} only. "
+                f"Fix: model=hf model.init_from={init_from} (transformers computes it)."
+            )
+    return {
+        "vocab_size": hf.vocab_size,
+        "d_model": hf.hidden_size,
+        "n_layer": hf.num_hidden_layers,
+        "n_heads": hf.num_attention_heads,
+        "n_kv_heads": hf.num_key_value_heads,
+        "intermediate_size": hf.intermediate_size,
+        "norm_eps": hf.rms_norm_eps,
+        "rope_theta": theta,
+        "rope_scaling": rope if kind == "llama3" else None,
+        "tie_embeddings": hf.tie_word_embeddings,
+        "max_position_embeddings": hf.max_position_embeddings,
+    }
 
 
 HF_NAMES = [  # our name's parts as transformers' LlamaForCausalLM spells them
