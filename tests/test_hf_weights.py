@@ -165,6 +165,16 @@ def init_from_case(tmp_path: Path, case: str) -> list[str]:
         save_tiny_llama(tmp_path / "bare")
         (tmp_path / "bare" / "config.json").unlink()
         return ["model=hf", f"model.init_from={tmp_path / 'bare'}"]
+    if case in ("truncated safetensors", "garbage safetensors"):
+        save_tiny_llama(tmp_path / "cut")
+        file = tmp_path / "cut" / "model.safetensors"
+        file.write_bytes(file.read_bytes()[: file.stat().st_size // 2] if case.startswith("trunc") else b"<html>")
+        return ["model=llama", f"model.init_from={tmp_path / 'cut'}"]
+    if case in ("unknown model_type", "not causal"):
+        (tmp_path / "other").mkdir()
+        model_type = "nopeformer" if case == "unknown model_type" else "t5"
+        (tmp_path / "other" / "config.json").write_text(json.dumps({"model_type": model_type}))
+        return ["model=hf", f"model.init_from={tmp_path / 'other'}"]
     raise AssertionError(case)
 
 
@@ -193,6 +203,10 @@ INIT_FROM_CASES = [
     ("not a llama", ["Qwen2Config (model_type='qwen2'), not a Llama", "Fix: model=hf model.init_from="]),
     ("yarn", ["rope_type='yarn'", "Fix: model=hf model.init_from="]),
     ("no config.json", ["holds no config.json", "Fix:"]),
+    ("truncated safetensors", ["model.safetensors cannot be read as safetensors", "incomplete metadata", "Fix:"]),
+    ("garbage safetensors", ["model.safetensors cannot be read as safetensors", "header too", "Fix:"]),
+    ("unknown model_type", ["model_type='nopeformer', which transformers 5.", "does not know", "Fix:"]),
+    ("not causal", ["T5Config (model_type='t5')", "no causal LM class", "Fix:"]),
 ]
 
 

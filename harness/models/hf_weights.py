@@ -52,6 +52,13 @@ def init_from_errors(model: nn.Module, init_from: str) -> list[str]:
         saved = dcp.HuggingFaceStorageReader(path).read_metadata().state_dict_metadata
     except ImportError:
         return [f"{key}: reading safetensors needs the safetensors package, not installed. {NEEDS_SAFETENSORS}"]
+    except Exception as e:  # noqa: BLE001 - safetensors' SafetensorError (a bad header), OSError
+        return [
+            f"{key}: {unreadable_file(path) or 'a *.safetensors file'} cannot be read as safetensors "
+            f"({type(e).__name__}: {e}): cut short by an interrupted download or copy, or not a safetensors file. "
+            "Fix: copy or download it again (its size should equal the source's), or write the checkpoint again "
+            "with save_pretrained."
+        ]
     expected = {hf: tuple(p.shape) for hf, p in hf_state(model).items()}
     for name, shape in expected.items():
         if name not in saved:
@@ -73,6 +80,19 @@ def init_from_errors(model: nn.Module, init_from: str) -> list[str]:
             "keys to the checkpoint's config.json (model.tie_embeddings, ...)."
         ]
     return []
+
+
+def unreadable_file(path: str) -> str | None:
+    """The first *.safetensors file in `path` whose header safetensors cannot read."""
+    from safetensors import safe_open
+
+    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        try:
+            with safe_open(file, framework="pt"):
+                pass
+        except Exception:  # noqa: BLE001 - SafetensorError, OSError: this is the file
+            return file
+    return None
 
 
 @torch.no_grad()
