@@ -50,8 +50,16 @@ def find_checkpoint(source: Path) -> Path:
 
 def export(source: Path, out: Path) -> dict:
     """Export the checkpoint `source` names to `out`; returns what export.json records."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"the output {str(out)!r} is a file, not a directory. Fix: name a new or empty directory.")
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"the output directory {str(out)!r} is not empty. Fix: name a new or empty directory.")
+    existing = next(p for p in out.absolute().parents if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(
+            f"the output {str(out)!r} cannot be created: {str(existing)!r} is a file, not a directory. "
+            "Fix: name a new or empty directory elsewhere."
+        )
     path = find_checkpoint(source)
     meta = read_meta(path)
     cfg = OmegaConf.create(meta["config"])
@@ -70,6 +78,9 @@ def export(source: Path, out: Path) -> dict:
                 f"checkpoint {str(path)!r} holds model {cfg.model._target_}, which has no Hugging Face layout. "
                 "Fix: export runs of model=llama or model=hf."
             )
+        # the loader speaks to a resumed run ("this run has 1 rank: RNG states not restored"); the
+        # export says itself what it wrote (the mean of diverged replicas)
+        logging.getLogger("harness.checkpoint").setLevel(logging.ERROR)
         load(path, job, rank=0)
         record = {"checkpoint": str(path.resolve()), "step": meta["step"], "replicas_averaged": meta["replica_copies"]}
         save_hf_weights(job.model, out, notes={"export.json": record})

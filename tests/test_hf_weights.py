@@ -82,6 +82,7 @@ def test_export_loads_in_transformers_and_init_from_reads_it_back_bitwise(model,
     exported = exported_tensors(out)
     if model == "llama":  # steps 4-5 were local: the replicas differ, and the export is their mean
         assert "exported the mean of 2 diverged replicas at step 5" in proc.stdout, proc.stdout
+        assert "this run" not in proc.stdout + proc.stderr, "the export speaks of exporting, not of resuming"
         step = run / "checkpoints" / "step_5"
         r0, r1 = (torch.load(step / f, weights_only=True)["model"] for f in ("full.pt", "replica_1.pt"))
         assert not torch.equal(r0["output.weight"], r1["output.weight"])
@@ -121,6 +122,37 @@ def test_export_loads_in_transformers_and_init_from_reads_it_back_bitwise(model,
     torch.testing.assert_close(logits[0], expected, rtol=1e-5, atol=1e-5)
     assert losses(sharded)[0] == pytest.approx(first, rel=1e-5)
     assert read_metrics(sharded)[0]["train/loss"] != pytest.approx(read_metrics(run)[0]["train/loss"], rel=1e-3)
+
+
+@pytest.mark.slow
+def test_a_resume_does_not_read_init_from_and_export_speaks_of_exporting(tmp_path, cli_env):
+    """init_from says what it read and loaded; the run's resume works after the
+    directory has moved (it reads neither its config.json nor its weights); the
+    export of the run speaks of exporting, and refuses a file as its target."""
+    save_tiny_llama(tmp_path / "hf")
+    run = tmp_path / "run"
+    args = [*SMALL, "model=llama", f"model.init_from={tmp_path / 'hf'}", "launcher.nproc=1", "averager=none"]
+    args += ["sharding=full_shard", "checkpoint=full", "checkpoint.interval=2", f"hydra.run.dir={run}"]
+    check_ok(run_cli([*args, "train.steps=2"], cli_env, tmp_path))
+    log = (run / "train.log").read_text()
+    assert f"model.init_from={tmp_path / 'hf'}: the architecture from its config.json: llama, 2 layers" in log
+    assert "loaded 21 tensors (" in log and "parameters) from 1 safetensors file(s)" in log
+
+    (tmp_path / "hf").rename(tmp_path / "moved")
+    check_ok(run_cli([*args, "train.steps=4"], cli_env, tmp_path))
+    log = (run / "train.log").read_text()
+    assert f"model.init_from is not read: the run resumes from {run / 'checkpoints' / 'step_2'}" in log
+    assert [row["step"] for row in read_metrics(run) if "train/loss" in row] == [1, 2, 3, 4]
+
+    (tmp_path / "a_file").write_text("not a folder")
+    export = [sys.executable, "-m", "harness.export", str(run)]
+    proc = subprocess.run([*export, str(tmp_path / "a_file")], env=cli_env, capture_output=True, text=True)
+    assert proc.returncode == 2 and "is a file, not a directory. Fix:" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and (tmp_path / "a_file").read_text() == "not a folder"
+    proc = subprocess.run([*export, str(tmp_path / "out")], env=cli_env, capture_output=True, text=True)
+    check_ok(proc)
+    assert "this run" not in proc.stdout + proc.stderr and "RNG states" not in proc.stdout + proc.stderr
+    assert proc.stdout.startswith("exported the model at step 4"), proc.stdout
 
 
 def init_from_case(tmp_path: Path, case: str) -> list[str]:

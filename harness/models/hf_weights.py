@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -21,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+log = logging.getLogger(__name__)
 NEEDS_SAFETENSORS = 'Fix: pip install -e ".[hf]" (or pip install safetensors).'
 
 
@@ -101,7 +103,18 @@ def load_hf_weights(model: nn.Module, init_from: str) -> None:
     in any layout (collective under a process group); dtypes are converted to the parameters'."""
     path = os.path.expanduser(init_from)
     reader = dcp.HuggingFaceStorageReader(path)
-    dcp.load(hf_state(model), storage_reader=reader, no_dist=not dist.is_initialized())
+    state = hf_state(model)
+    dcp.load(state, storage_reader=reader, no_dist=not dist.is_initialized())
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        files = len(glob.glob(os.path.join(path, "*.safetensors")))
+        params = sum(t.numel() for t in state.values())
+        log.info(
+            "model.init_from=%s: loaded %d tensors (%s parameters) from %d safetensors file(s)",
+            init_from,
+            len(state),
+            f"{params:,}",
+            files,
+        )
 
 
 @torch.no_grad()
