@@ -424,6 +424,15 @@ def checkpoint_schema() -> DictConfig:
     return node
 
 
+def hf_schema() -> DictConfig:
+    """HFConf whose `config_overrides` takes any key without '+' (transformers' keys are many, and
+    not ours to list): `model.config_overrides.tie_word_embeddings=true` sets it; HFCausalLM refuses
+    a key the transformers config does not have."""
+    node = OmegaConf.structured(HFConf)
+    OmegaConf.set_struct(node.config_overrides, False)
+    return node
+
+
 EXTRA_KEYS = {CheckpointConf: {"async"}}  # schema keys no dataclass field can carry (see checkpoint_schema)
 
 
@@ -499,15 +508,17 @@ class PrepareConf:
     seed: int = 0
 
 
+SPECIAL_SCHEMAS = {CheckpointConf: checkpoint_schema, HFConf: hf_schema}  # schemas no dataclass alone declares
+
+
 def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="schema_config", node=Config)
     cs.store(name="schema_prepare", node=PrepareConf)
     for group, schemas in SCHEMAS.items():
         for name, schema in schemas.items():
-            cs.store(
-                group=f"schema/{group}", name=name, node=checkpoint_schema() if schema is CheckpointConf else schema
-            )
+            node = SPECIAL_SCHEMAS[schema]() if schema in SPECIAL_SCHEMAS else schema
+            cs.store(group=f"schema/{group}", name=name, node=node)
 
 
 def plain(cfg: DictConfig) -> dict:

@@ -132,6 +132,12 @@ RULES = [
         0,
         ["model.rope_scaling.rope_type='yarn'", "rope_type llama3", "Fix: model=hf"],
     ),
+    (
+        ["model=hf", "+model.config_overrides.num_hiden_layers=3"],
+        2,
+        0,
+        ["LlamaConfig has no key 'num_hiden_layers'", "Fix: model.config_overrides.num_hidden_layers=..."],
+    ),
     (["model=llama3_8b", "~model.rope_scaling.factor"], 2, 0, ["lacks factor", "Llama 3.1: 8.0, 1.0, 4.0, 8192"]),
     (["model=llama3_8b", "model.rope_scaling.high_freq_factor=1"], 2, 0, ["high_freq_factor above low_freq_factor"]),
     (["data.noise=1.5"], 2, 0, ["data.noise=1.5", "[0, 1)"]),

@@ -20,6 +20,7 @@ from harness.config import ConfigError, register_configs
 from harness.data import build_data
 from harness.launch.check import settle_config
 from harness.models import build_model, materialize
+from harness.overrides import override_errors
 
 from support import REPO, check_ok, losses, read_metrics, run_cli
 
@@ -32,7 +33,7 @@ HF_LLAMA = [
     "model=hf",
     "model.config_overrides.hidden_size=64",
     "model.config_overrides.intermediate_size=256",
-    "+model.config_overrides.tie_word_embeddings=true",
+    "model.config_overrides.tie_word_embeddings=true",  # a transformers key the default overrides lack: no '+'
 ]
 
 
@@ -284,6 +285,7 @@ def test_model_hf_names_what_is_missing(setup, expected):
 
 
 def test_hf_config_overrides_reach_the_transformers_config():
+    assert override_errors(["train.py", *HF_LLAMA], REPO / "conf") == []
     cfg = make(*HF_LLAMA, "model.config_overrides.num_hidden_layers=3")
     model = build_model(cfg.model, seq_len=16)
     assert len(model.blocks) == 3 and model.config.hidden_size == 64 and model.config.vocab_size == 256

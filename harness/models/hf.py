@@ -98,6 +98,22 @@ def hf_config(config: str | None, model_type: str | None, overrides: dict, vocab
     return AutoConfig.for_model(model_type, **{"vocab_size": vocab_size, **overrides})
 
 
+def check_override_keys(hf, overrides: dict) -> None:
+    """transformers sets any keyword as an attribute, so a misspelt override would be silently
+    unused: each must be a key of the config's class (its defaults, or an alias it maps)."""
+    from harness.overrides import closest
+
+    known = sorted({*type(hf)().to_dict(), *type(hf).attribute_map})
+    for key in overrides:
+        if key not in known:
+            typo = closest(key, known)
+            fix = f"model.config_overrides.{typo}=... (the closest key)" if typo else "one of its keys"
+            raise ValueError(
+                f"model.config_overrides.{key}: {type(hf).__name__} has no key {key!r}, so transformers would "
+                f"set it and no model would read it. Fix: {fix}; its keys are config.json's."
+            )
+
+
 class HFCausalLM(nn.Module):
     """A `transformers` causal LM with the harness's model protocol (see
     harness/models/__init__.py). `seq_len` must fit the model's positions."""
@@ -117,6 +133,7 @@ class HFCausalLM(nn.Module):
                 "reads too. Fix: set model.vocab_size instead."
             )
         hf = hf_config(config, model_type, overrides, vocab_size)
+        check_override_keys(hf, overrides)
         hf._attn_implementation = "sdpa"  # CUDA picks flash / efficient kernels, as for the harness's models
         positions = getattr(hf.get_text_config(), "max_position_embeddings", None)
         if seq_len is not None and positions is not None and seq_len > positions:
