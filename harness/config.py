@@ -499,9 +499,12 @@ class PrepareConf:
     input: List[str] = MISSING  # files or globs: .jsonl/.json and .parquet records, any other file plain text
     out: str = MISSING  # the dataset directory (data.path of data=tokens)
     text_field: str = "text"  # the field holding the text in .jsonl/.json/.parquet records
-    tokenizer: Optional[str] = None  # a tokenizer.json (Hugging Face tokenizers); null: train a byte-level BPE
+    # a tokenizer.json (Hugging Face tokenizers) or a Hugging Face model directory (its tokenizer.json and
+    # eos_token); null: train a byte-level BPE
+    tokenizer: Optional[str] = None
     vocab_size: int = 8192  # of the BPE trained when tokenizer is null
-    eot_token: str = "<|endoftext|>"  # separates documents; the trained BPE has it as a special token
+    # separates documents; the trained BPE has it as a special token; a model directory's eos_token replaces it
+    eot_token: str = "<|endoftext|>"
     eval_fraction: float = 0.01  # the share of documents held out (drawn by seed), never trained on
     docs_per_shard: int = 4096
     num_proc: Optional[int] = None  # tokenizer threads; null = every core

@@ -1,6 +1,6 @@
 """Local raw text to token shards that `data=tokens` reads:
 
-    python -m harness.prepare input=[<files or globs>] out=<dir> [tokenizer=<tokenizer.json>] [key=value ...]
+    python -m harness.prepare input=[<files or globs>] out=<dir> [tokenizer=<file or model dir>] [key=value ...]
 
 Documents are read with Hugging Face `datasets` in streaming mode (memory does
 not grow with the corpus): a `.jsonl`/`.json`/`.parquet` record is one
@@ -35,7 +35,7 @@ import hydra
 import numpy as np
 from omegaconf import DictConfig
 
-from harness.config import ConfigError, register_configs
+from harness.config import ConfigError, PrepareConf, register_configs
 from harness.data.shards import FORMAT, INDEX, SPLITS, sha256_of, shard_errors, shard_name, token_dtype, write_durably
 
 log = logging.getLogger(__name__)
@@ -92,6 +92,8 @@ def load_tokenizer(cfg: DictConfig, files: list[Path], out: Path):
         tokenizer = Tokenizer.from_file(str(path))
         if not saved.exists():
             write_durably(saved, path.read_bytes())
+        if (path.parent / "tokenizer_config.json").is_file() and not (out / "tokenizer_config.json").exists():
+            write_durably(out / "tokenizer_config.json", (path.parent / "tokenizer_config.json").read_bytes())
     elif saved.exists():
         tokenizer = Tokenizer.from_file(str(saved))
     else:
@@ -113,6 +115,29 @@ def load_tokenizer(cfg: DictConfig, files: list[Path], out: Path):
             "token> (e.g. '</s>' or '<|end_of_text|>')."
         )
     return tokenizer
+
+
+def model_tokenizer(cfg: DictConfig) -> None:
+    """`tokenizer=<a Hugging Face model directory>`: its tokenizer.json, and its end-of-text token
+    (tokenizer_config.json's eos_token) unless `eot_token` was set; the directory's tokenizer_config.json
+    is kept next to the shards (its special tokens), for `harness.export`. In place; ConfigError for a
+    directory without tokenizer.json."""
+    if cfg.tokenizer is None or not Path(cfg.tokenizer).expanduser().is_dir():
+        return
+    model = Path(cfg.tokenizer).expanduser()
+    if not (model / "tokenizer.json").is_file():
+        raise ConfigError(
+            f"tokenizer={cfg.tokenizer!r} is a directory without tokenizer.json (a slow tokenizer's files, or not "
+            "a model's directory). Fix: a model directory with tokenizer.json (save_pretrained of a fast "
+            "tokenizer writes it), a tokenizer.json file, or tokenizer=null."
+        )
+    cfg.tokenizer = str(model / "tokenizer.json")
+    config = model / "tokenizer_config.json"
+    eos = json.loads(config.read_text()).get("eos_token") if config.is_file() else None
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    if eos and cfg.eot_token == PrepareConf.eot_token:
+        cfg.eot_token = eos
+        log.info("end-of-text token: %r, the model's eos_token", eos)
 
 
 def claim(out: Path, settings: dict) -> None:
@@ -149,8 +174,12 @@ def prepare(cfg: DictConfig) -> dict:
     files = input_files(cfg)
     out = Path(cfg.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
+    model_tokenizer(cfg)
     if cfg.tokenizer is not None and not Path(cfg.tokenizer).expanduser().is_file():
-        raise ConfigError(f"tokenizer={cfg.tokenizer!r} is not a file. Fix: a tokenizer.json, or tokenizer=null.")
+        raise ConfigError(
+            f"tokenizer={cfg.tokenizer!r} is not a file. Fix: a tokenizer.json, a Hugging Face model directory, "
+            "or tokenizer=null."
+        )
     next(documents(files[:1], cfg.text_field), None)  # a missing text_field is refused before any work
     tokenizer_hash = sha256_of(Path(cfg.tokenizer).expanduser()) if cfg.tokenizer is not None else None
     settings = {

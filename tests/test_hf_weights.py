@@ -26,6 +26,7 @@ from support import REPO, check_ok, losses, read_metrics, run_cli
 
 register_configs()
 CPU = torch.device("cpu")
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 SMALL = ["train.batch_size=4", "train.seq_len=16", "train.log_every=1", "optimizer=adamw"]
 # a Llama of the debug shape, narrower; model=hf the same shape through transformers, tied
 LLAMA = ["model=llama", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2"]
@@ -154,6 +155,70 @@ def test_a_resume_does_not_read_init_from_and_export_speaks_of_exporting(tmp_pat
     check_ok(proc)
     assert "this run" not in proc.stdout + proc.stderr and "RNG states" not in proc.stdout + proc.stderr
     assert proc.stdout.startswith("exported the model at step 4"), proc.stdout
+    assert "without a tokenizer: the run trained on SyntheticTokens without a tokenizer file" in proc.stdout
+
+
+def save_published_model(path: Path, corpus: list[str]) -> None:
+    """A "published" model the ordinary way: a fast tokenizer (BPE with <s> and </s>, trained on
+    `corpus`) and a random Llama 3.2-style model (scaled RoPE, tied) with its special tokens' ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"], initial_alphabet=alphabet)
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(path)
+    rope = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    config = LlamaConfig(vocab_size=320, num_key_value_heads=2, tie_word_embeddings=True, **shape)
+    config.rope_parameters = {**rope, "original_max_position_embeddings": 8, "rope_theta": 10000.0}
+    config.bos_token_id, config.eos_token_id = fast.bos_token_id, fast.eos_token_id
+    LlamaForCausalLM(config).save_pretrained(path)
+
+
+@pytest.mark.slow
+def test_published_model_to_generated_text_with_no_hand_edits(tmp_path, cli_env):
+    """A published model's directory -> harness.prepare with its tokenizer (and its
+    end-of-text token) -> train from it -> harness.export -> transformers loads the
+    tokenizer and the model from the export alone and generates."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    corpus = [" ".join(WORDS[i % 7 :] + WORDS[: i % 5]) + f" note {i}." for i in range(30)]
+    (tmp_path / "corpus").mkdir()
+    for i, text in enumerate(corpus):
+        (tmp_path / "corpus" / f"{i:02d}.txt").write_text(text)
+    published, data, run, out = (tmp_path / name for name in ("published", "data", "run", "out"))
+    save_published_model(published, corpus)
+    prepare = [f"input=[{tmp_path / 'corpus'}/*.txt]", f"out={data}", f"tokenizer={published}"]
+    command = [sys.executable, "-m", "harness.prepare", *prepare]
+    check_ok(subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, env=cli_env))
+    theirs = AutoTokenizer.from_pretrained(published)
+    assert json.loads((data / "index.json").read_text())["eot_id"] == theirs.eos_token_id  # </s>, not <|endoftext|>
+
+    args = [*SMALL, "model=llama", f"model.init_from={published}", "data=tokens", f"data.path={data}"]
+    args += ["launcher.nproc=1", "averager=none", "sharding=full_shard", "checkpoint=full", "train.steps=2"]
+    check_ok(run_cli([*args, f"hydra.run.dir={run}"], cli_env, tmp_path))
+    proc = subprocess.run(
+        [sys.executable, "-m", "harness.export", str(run), str(out)], env=cli_env, capture_output=True, text=True
+    )
+    check_ok(proc)
+    assert f"with the tokenizer the run trained with, the dataset's (data.path={data})" in proc.stdout
+
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer.get_vocab() == theirs.get_vocab()
+    assert (tokenizer.bos_token, tokenizer.eos_token) == ("<s>", "</s>")
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert (model.config.bos_token_id, model.config.eos_token_id) == (theirs.bos_token_id, theirs.eos_token_id)
+    assert model.config.rope_parameters["rope_type"] == "llama3"
+    assert model.generation_config.eos_token_id == theirs.eos_token_id
+    prompt = tokenizer("alpha beta", return_tensors="pt")
+    ids = model.generate(**prompt, max_new_tokens=6, do_sample=False)
+    assert ids.shape[1] > prompt.input_ids.shape[1]
+    assert tokenizer.decode(ids[0]).startswith("alpha beta")
 
 
 def init_from_case(tmp_path: Path, case: str) -> list[str]:

@@ -118,16 +118,17 @@ def load_hf_weights(model: nn.Module, init_from: str) -> None:
 
 
 @torch.no_grad()
-def save_hf_weights(model: nn.Module, out: Path, notes: dict[str, dict] | None = None) -> None:
+def save_hf_weights(model: nn.Module, out: Path, notes: dict[str, dict | bytes] | None = None) -> None:
     """Write `model` (one process) as a Hugging Face checkpoint in `out`: safetensors through DCP's
-    writer, config.json, and `notes` (file name -> JSON content). Written into a sibling directory
-    and renamed, so `out` is whole or absent."""
+    writer, config.json (`model.hf_config()`, unless `notes` has one), and `notes` (file name -> JSON
+    content, or the file's bytes). Written into a sibling directory and renamed, so `out` is whole or absent."""
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     state = {hf: t.full_tensor() if isinstance(t, DTensor) else t for hf, t in hf_state(model).items()}
     dcp.save(state, storage_writer=dcp.HuggingFaceStorageWriter(str(partial)))
     for name, content in {"config.json": model.hf_config(), **(notes or {})}.items():
-        (partial / name).write_text(json.dumps(content, indent=2) + "\n")
+        data = content if isinstance(content, bytes) else (json.dumps(content, indent=2) + "\n").encode()
+        (partial / name).write_bytes(data)
     for file in partial.iterdir():
         with open(file, "rb") as f:
             os.fsync(f.fileno())
