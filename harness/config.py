@@ -190,8 +190,14 @@ class LlamaConf(ModelHarnessKeys):
     n_kv_heads: Optional[int] = 2  # key/value heads of grouped-query attention; null = n_heads
     multiple_of: int = 256  # the SwiGLU width is rounded up to a multiple of this
     ffn_dim_multiplier: Optional[float] = None  # scales the SwiGLU width (2/3 of 4 * d_model) before rounding
+    intermediate_size: Optional[int] = None  # the SwiGLU width; null = the rule of the two keys above
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
+    # Llama 3.1's RoPE frequency scaling as config.json spells it: {rope_type: llama3, factor,
+    # low_freq_factor, high_freq_factor, original_max_position_embeddings}; null = none
+    rope_scaling: Optional[Dict[str, Any]] = None
+    # the context length config.json records (export writes it; positions are not limited by it); null = train.seq_len
+    max_position_embeddings: Optional[int] = None
     tie_embeddings: bool = False  # the output projection is the embedding table
     vocab_size: int = 256
     dropout: float = 0.0  # attention and residual dropout (drawn from each rank's seeded torch RNG)
@@ -441,6 +447,15 @@ def checkpoint_schema() -> DictConfig:
     return node
 
 
+def hf_schema() -> DictConfig:
+    """HFConf whose `config_overrides` takes any key without '+' (transformers' keys are many, and
+    not ours to list): `model.config_overrides.tie_word_embeddings=true` sets it; HFCausalLM refuses
+    a key the transformers config does not have."""
+    node = OmegaConf.structured(HFConf)
+    OmegaConf.set_struct(node.config_overrides, False)
+    return node
+
+
 EXTRA_KEYS = {CheckpointConf: {"async"}}  # schema keys no dataclass field can carry (see checkpoint_schema)
 
 
@@ -510,14 +525,20 @@ class PrepareConf:
     input: Any = MISSING
     out: str = MISSING  # the dataset directory (data.path of data=tokens)
     text_field: str = "text"  # the field holding the text in .jsonl/.json/.parquet records
-    tokenizer: Optional[str] = None  # a tokenizer.json (Hugging Face tokenizers); null: train a byte-level BPE
+    # a tokenizer.json (Hugging Face tokenizers) or a Hugging Face model directory (its tokenizer.json and
+    # eos_token); null: train a byte-level BPE
+    tokenizer: Optional[str] = None
     vocab_size: int = 8192  # of the BPE trained when tokenizer is null
-    eot_token: str = "<|endoftext|>"  # separates documents; the trained BPE has it as a special token
+    # separates documents; the trained BPE has it as a special token; a model directory's eos_token replaces it
+    eot_token: str = "<|endoftext|>"
     eval_fraction: float = 0.01  # the share of documents held out (drawn by seed), never trained on
     docs_per_shard: int = 4096
     skip_undecodable: bool = False  # skip input files that are not UTF-8 text (binary files) instead of refusing
     num_proc: Optional[int] = None  # tokenizer threads; null = every core
     seed: int = 0
+
+
+SPECIAL_SCHEMAS = {CheckpointConf: checkpoint_schema, HFConf: hf_schema}  # schemas no dataclass alone declares
 
 
 def register_configs() -> None:
@@ -526,9 +547,8 @@ def register_configs() -> None:
     cs.store(name="schema_prepare", node=PrepareConf)
     for group, schemas in SCHEMAS.items():
         for name, schema in schemas.items():
-            cs.store(
-                group=f"schema/{group}", name=name, node=checkpoint_schema() if schema is CheckpointConf else schema
-            )
+            node = SPECIAL_SCHEMAS[schema]() if schema in SPECIAL_SCHEMAS else schema
+            cs.store(group=f"schema/{group}", name=name, node=node)
 
 
 def plain(cfg: DictConfig) -> dict:

@@ -7,13 +7,17 @@ that `transformers.AutoModelForCausalLM.from_pretrained` loads, for models with
 Hugging Face's layout (`model=llama`, `model=hf`). The checkpoint is read the
 way a resume on one process reads it (harness.checkpoint.load), so `full` and
 `sharded` checkpoints both export; replicas that had diverged (post-local SGD,
-DiLoCo) export as their mean, and the command says so. `export.json` next to
-the weights records the source checkpoint, its step and the replicas averaged.
+DiLoCo) export as their mean, and the command says so. The tokenizer the run
+trained with (`data.path`'s, else `model.init_from`'s) is written next to the
+weights, with its special tokens' ids in config.json and generation_config.json.
+`export.json` records the source checkpoint, its step, the replicas averaged
+and the tokenizer's origin.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from pathlib import Path
@@ -48,11 +52,61 @@ def find_checkpoint(source: Path) -> Path:
     )
 
 
+def tokenizer_dir(cfg) -> tuple[Path | None, str]:
+    """Where the run's tokenizer is (a directory holding tokenizer.json: `data.path`'s dataset, the
+    first of `data.sources`, else `model.init_from`'s directory), and what it is, for the log."""
+    data, init_from = cfg.data, cfg.model.get("init_from")
+    candidates = []
+    if data.get("path"):
+        candidates.append((data.path, f"the dataset's (data.path={data.path})"))
+    if data.get("sources"):
+        path = data.sources[0]["path"]
+        candidates.append((path, f"the first source's (data.sources[0].path={path})"))
+    if init_from:
+        candidates.append((init_from, f"the initial model's (model.init_from={init_from})"))
+    for path, what in candidates:
+        if (Path(path).expanduser() / "tokenizer.json").is_file():
+            return Path(path).expanduser(), what
+    return None, f"the run trained on {data._target_.rsplit('.', 1)[-1]} without a tokenizer file"
+
+
+def tokenizer_files(source: Path, vocab_size: int) -> tuple[dict, dict]:
+    """The tokenizer files to write (name -> bytes) from `source`, and its special tokens' ids
+    (bos_token_id, eos_token_id) for config.json and generation_config.json. Without a
+    tokenizer_config.json (a BPE harness.prepare trained), one naming the end-of-text token."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(source / "tokenizer.json"))
+    files = {"tokenizer.json": (source / "tokenizer.json").read_bytes()}
+    if (source / "tokenizer_config.json").is_file():
+        config = json.loads((source / "tokenizer_config.json").read_text())
+    else:
+        index = json.loads((source / "index.json").read_text()) if (source / "index.json").is_file() else {}
+        eot = tokenizer.id_to_token(index["eot_id"]) if "eot_id" in index else None
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eot}
+    files["tokenizer_config.json"] = (json.dumps(config, indent=2) + "\n").encode()
+
+    def token_id(name: str) -> int | None:
+        token = config.get(name)
+        token = token.get("content") if isinstance(token, dict) else token
+        found = tokenizer.token_to_id(token) if token else None
+        return found if found is not None and found < vocab_size else None
+
+    return files, {"bos_token_id": token_id("bos_token"), "eos_token_id": token_id("eos_token")}
+
+
 def export(source: Path, out: Path) -> dict:
     """Export the checkpoint `source` names to `out`; returns what export.json records."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        what = "is not empty" if out.is_dir() else "is a file"
-        raise ConfigError(f"the output directory {str(out)!r} {what}. Fix: name a new or empty directory.")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"the output {str(out)!r} is a file, not a directory. Fix: name a new or empty directory.")
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"the output directory {str(out)!r} is not empty. Fix: name a new or empty directory.")
+    existing = next(p for p in out.absolute().parents if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(
+            f"the output {str(out)!r} cannot be created: {str(existing)!r} is a file, not a directory. "
+            "Fix: name a new or empty directory elsewhere."
+        )
     path = find_checkpoint(source)
     meta = read_meta(path)
     cfg = OmegaConf.create(meta["config"])
@@ -71,9 +125,24 @@ def export(source: Path, out: Path) -> dict:
                 f"checkpoint {str(path)!r} holds model {cfg.model._target_}, which has no Hugging Face layout. "
                 "Fix: export runs of model=llama or model=hf."
             )
+        # the loader speaks to a resumed run ("this run has 1 rank: RNG states not restored"); the
+        # export says itself what it wrote (the mean of diverged replicas)
+        logging.getLogger("harness.checkpoint").setLevel(logging.ERROR)
         load(path, job, rank=0)
         record = {"checkpoint": str(path.resolve()), "step": meta["step"], "replicas_averaged": meta["replica_copies"]}
-        save_hf_weights(job.model, out, notes={"export.json": record})
+        saved = OmegaConf.create(meta["config"])  # the run's own data and init_from, not the stand-ins above
+        where, what = tokenizer_dir(saved)
+        notes, config = {"export.json": record}, job.model.hf_config()
+        if where is not None:
+            files, special = tokenizer_files(where, cfg.model.vocab_size)
+            notes.update(files)
+            config.update(special)
+            notes["generation_config.json"] = {**special, "pad_token_id": special["eos_token_id"]}
+            record["tokenizer"] = f"{what}: {where}"
+        else:
+            record["tokenizer"] = None
+            record["no_tokenizer"] = what
+        save_hf_weights(job.model, out, notes={"config.json": config, **notes})
     finally:
         teardown()
     return record
@@ -95,6 +164,13 @@ def main(argv: list[str] | None = None) -> int:
     averaged = record["replicas_averaged"]
     what = f"the mean of {averaged} diverged replicas" if averaged > 1 else "the model"
     print(f"exported {what} at step {record['step']} of {record['checkpoint']} to {args.out}")
+    if record["tokenizer"]:
+        print(f"with the tokenizer the run trained with, {record['tokenizer']}")
+    else:
+        print(
+            f"without a tokenizer: {record['no_tokenizer']} (synthetic or byte-level tokens); "
+            "AutoTokenizer.from_pretrained cannot load this directory"
+        )
     return 0
 
 

@@ -92,7 +92,7 @@ def build_job(cfg: DictConfig, env: DistEnv, plan: RunPlan, link: ReplicaLink | 
         env.device,
         cfg.train.seed,
         replicas_train_alone=plan.averaging,
-        init_from=cfg.model.init_from,
+        init_from=None if plan.resume_from else cfg.model.init_from,  # a resume's weights are the checkpoint's
     )
     optimizer = build_local_optimizer(cfg.optimizer, model.parameters(), env.device)
     lr_schedule = build_lr_schedule(cfg.lr_scheduler, optimizer, cfg.train.steps)

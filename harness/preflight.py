@@ -1,6 +1,7 @@
 """Checks that touch the file system, run once before any rank starts (after
 `validate`): the data source's files, the checkpoint the run would resume
-from, and a checkpoint directory it can write. Each error names the key, the
+from, a checkpoint directory it can write, and the weights `model.init_from`
+names. Each error names the key, the
 value and the fix, like `validate`'s."""
 
 from __future__ import annotations
@@ -18,13 +19,23 @@ from harness.checkpoint import (
     read_meta,
 )
 from harness.data import data_source
+from harness.models import build_model
+from harness.models.hf_weights import init_from_errors
 
 
 def preflight(cfg: DictConfig, run_dir: Path, resume_from: Path | None) -> list[str]:
     """`resume_from`: the checkpoint the run's plan resumes from (`RunPlan.resume_from`)."""
     source = data_source(cfg)
     errors = source.preflight_errors() if hasattr(source, "preflight_errors") else []
-    return errors + _check_checkpoint_dir(cfg.checkpoint, run_dir) + _check_resume(cfg, run_dir, resume_from)
+    errors += _check_checkpoint_dir(cfg.checkpoint, run_dir) + _check_resume(cfg, run_dir, resume_from)
+    return errors + _check_init_from(cfg, resume_from)
+
+
+def _check_init_from(cfg: DictConfig, resume_from: Path | None) -> list[str]:
+    """The weights `model.init_from` names fit the model (a resume does not read them)."""
+    if cfg.model.get("init_from") is None or resume_from is not None:
+        return []
+    return init_from_errors(build_model(cfg.model, cfg.train.seq_len), cfg.model.init_from)
 
 
 def _check_checkpoint_dir(cfg: DictConfig, run_dir: Path) -> list[str]:

@@ -1,6 +1,6 @@
 """Local raw text to token shards that `data=tokens` reads:
 
-    python -m harness.prepare input=[<files or globs>] out=<dir> [tokenizer=<tokenizer.json>] [key=value ...]
+    python -m harness.prepare input=[<files or globs>] out=<dir> [tokenizer=<file or model dir>] [key=value ...]
 
 Documents are read with Hugging Face `datasets` in streaming mode (memory does
 not grow with the corpus): a `.jsonl`/`.json`/`.parquet` record is one
@@ -40,7 +40,7 @@ import hydra
 import numpy as np
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from harness.config import ConfigError, register_configs
+from harness.config import ConfigError, PrepareConf, register_configs
 from harness.data.shards import FORMAT, INDEX, SPLITS, sha256_of, shard_errors, shard_name, token_dtype, write_durably
 from harness.overrides import override_errors
 
@@ -175,9 +175,13 @@ def given_tokenizer(cfg: DictConfig):
 
     if cfg.tokenizer is None:
         return None
+    model_tokenizer(cfg)
     path = Path(cfg.tokenizer).expanduser()
     if not path.is_file():
-        raise ConfigError(f"tokenizer={cfg.tokenizer!r} is not a file. Fix: a tokenizer.json, or tokenizer=null.")
+        raise ConfigError(
+            f"tokenizer={cfg.tokenizer!r} is not a file. Fix: a tokenizer.json, a Hugging Face model directory, "
+            "or tokenizer=null."
+        )
     try:
         tokenizer = Tokenizer.from_file(str(path))
     except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception for a file it cannot parse
@@ -195,6 +199,29 @@ def given_tokenizer(cfg: DictConfig):
     return tokenizer
 
 
+def model_tokenizer(cfg: DictConfig) -> None:
+    """`tokenizer=<a Hugging Face model directory>`: its tokenizer.json, and its end-of-text token
+    (tokenizer_config.json's eos_token) unless `eot_token` was set; the directory's tokenizer_config.json
+    is kept next to the shards (its special tokens), for `harness.export`. In place; ConfigError for a
+    directory without tokenizer.json."""
+    if cfg.tokenizer is None or not Path(cfg.tokenizer).expanduser().is_dir():
+        return
+    model = Path(cfg.tokenizer).expanduser()
+    if not (model / "tokenizer.json").is_file():
+        raise ConfigError(
+            f"tokenizer={cfg.tokenizer!r} is a directory without tokenizer.json (a slow tokenizer's files, or not "
+            "a model's directory). Fix: a model directory with tokenizer.json (save_pretrained of a fast "
+            "tokenizer writes it), a tokenizer.json file, or tokenizer=null."
+        )
+    cfg.tokenizer = str(model / "tokenizer.json")
+    config = model / "tokenizer_config.json"
+    eos = json.loads(config.read_text()).get("eos_token") if config.is_file() else None
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    if eos and cfg.eot_token == PrepareConf.eot_token:
+        cfg.eot_token = eos
+        log.info("end-of-text token: %r, the model's eos_token", eos)
+
+
 def load_tokenizer(cfg: DictConfig, files: list[Path], out: Path, given):
     """The tokenizer: `given` (`tokenizer`'s file), else the BPE in `out` from an earlier (interrupted) run
     with the same settings, else a byte-level BPE trained on the corpus now. Saved as out/tokenizer.json."""
@@ -203,8 +230,11 @@ def load_tokenizer(cfg: DictConfig, files: list[Path], out: Path, given):
 
     saved = out / "tokenizer.json"
     if given is not None:
+        path = Path(cfg.tokenizer).expanduser()
         if not saved.exists():
-            write_durably(saved, Path(cfg.tokenizer).expanduser().read_bytes())
+            write_durably(saved, path.read_bytes())
+        if (path.parent / "tokenizer_config.json").is_file() and not (out / "tokenizer_config.json").exists():
+            write_durably(out / "tokenizer_config.json", (path.parent / "tokenizer_config.json").read_bytes())
         return given
     if saved.exists():
         return Tokenizer.from_file(str(saved))

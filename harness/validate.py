@@ -27,7 +27,6 @@ from harness.dist import resolve_device, under_torchrun
 from harness.mesh import mesh_shape
 from harness.models import HARNESS_KEYS as MODEL_HARNESS_KEYS
 from harness.models import build_model
-from harness.models.hf_weights import init_from_errors
 from harness.optim import HARNESS_KEYS
 from harness.plan import averager_configured
 
@@ -176,12 +175,9 @@ def _check_model_and_data(cfg: DictConfig) -> list[str]:
     errors += model_errors + data_errors
     if model_cls is not None:
         try:
-            model = build_model(cfg.model, cfg.train.seq_len)
+            build_model(cfg.model, cfg.train.seq_len)
         except ValueError as e:
             errors.append(str(e))
-        else:
-            if cfg.model.get("init_from") is not None:
-                errors += init_from_errors(model, cfg.model.init_from)
     if data_cls is not None:
         try:
             source = data_source(cfg)

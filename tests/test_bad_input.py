@@ -183,7 +183,7 @@ TOOL_CASES = [
     ("prepare type", "prepare", ["input={tmp}/a.txt", "out={tmp}/data", "vocab_size=big"], ["takes an integer"]),
     ("prepare no out", "prepare", ["input={tmp}/a.txt"], ["out is required. Fix: python -m harness.prepare input="]),
     ("prepare out a file", "prepare", ["input={tmp}/a.txt", "out={tmp}/a.txt"], ["out='{tmp}/a.txt' is a file"]),
-    ("export out a file", "export", ["{tmp}", "{tmp}/a.txt"], ["directory '{tmp}/a.txt' is a file. Fix:"]),
+    ("export out a file", "export", ["{tmp}", "{tmp}/a.txt"], ["'{tmp}/a.txt' is a file, not a directory. Fix:"]),
     ("export overrides", "export", ["source={tmp}", "out={tmp}/x"], ["takes two paths, not key=value overrides"]),
 ]
 

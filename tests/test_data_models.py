@@ -216,7 +216,8 @@ def test_hf_model_is_initialised_as_transformers_initialises_it():
         assert torch.equal(a, b), name
 
 
-def hf_config(model: Llama, d_model: int, n_layer: int, n_heads: int, n_kv_heads: int, vocab_size: int):
+def hf_config(model: Llama, d_model: int, n_layer: int, n_heads: int, n_kv_heads: int, vocab_size: int, rope=None):
+    """transformers' config of `model`'s shape; `rope`: its rope_parameters (default: unscaled, model's theta)."""
     from transformers import LlamaConfig
 
     return LlamaConfig(
@@ -227,24 +228,37 @@ def hf_config(model: Llama, d_model: int, n_layer: int, n_heads: int, n_kv_heads
         num_attention_heads=n_heads,
         num_key_value_heads=n_kv_heads,
         rms_norm_eps=model.norm.eps,
-        rope_parameters={"rope_type": "default", "rope_theta": model.rope_theta},
+        rope_parameters=rope or {"rope_type": "default", "rope_theta": model.rope_theta},
         tie_word_embeddings=model.tie_embeddings,
     )
 
 
+# Llama 3.2's RoPE scaling with original_max_position_embeddings 32 instead of 8192, so that a short
+# sequence runs past it and head_dim 16 at theta 1e4 has a frequency in each regime (kept, interpolated, scaled)
+SCALED = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+SCALED["original_max_position_embeddings"] = 32
+
+
 @pytest.mark.parametrize(
-    "shape",
+    "shape,seq",
     [
-        dict(d_model=64, n_layer=2, n_heads=8, n_kv_heads=2, tie_embeddings=False, rope_theta=500000.0),
-        dict(d_model=64, n_layer=2, n_heads=4, n_kv_heads=4, tie_embeddings=True, rope_theta=10000.0),
+        (dict(d_model=64, n_layer=2, n_heads=8, n_kv_heads=2, tie_embeddings=False, rope_theta=500000.0), 40),
+        (dict(d_model=64, n_layer=2, n_heads=4, n_kv_heads=4, tie_embeddings=True, rope_theta=10000.0), 40),
+        (
+            dict(
+                d_model=64, n_layer=2, n_heads=4, n_kv_heads=2, tie_embeddings=True, rope_theta=1e4, rope_scaling=SCALED
+            ),
+            96,
+        ),
     ],
-    ids=["gqa-untied", "mha-tied"],
+    ids=["gqa-untied", "mha-tied", "llama3-scaled-rope"],
 )
-def test_llama_gives_the_logits_of_transformers_llama_with_the_same_weights(shape):
+def test_llama_gives_the_logits_of_transformers_llama_with_the_same_weights(shape, seq):
     """The independent check that ours is a Llama: every weight (norms too) drawn
     at random, copied by name into LlamaForCausalLM, and the logits agree to
     float32 rounding. Rotary embeddings follow HF's rotate_half, so q and k
-    need no permutation."""
+    need no permutation. With Llama 3.1/3.2's RoPE scaling the sequence is
+    3 times original_max_position_embeddings; the export writes the scaling back."""
     from transformers import LlamaForCausalLM
 
     ours = Llama(vocab_size=96, multiple_of=16, ffn_dim_multiplier=1.3, **shape)
@@ -254,7 +268,9 @@ def test_llama_gives_the_logits_of_transformers_llama_with_the_same_weights(shap
         for p in ours.parameters():
             p.copy_(torch.randn(p.shape, generator=generator) * 0.2 + (1 if p.dim() == 1 else 0))
     sizes = {k: shape[k] for k in ("d_model", "n_layer", "n_heads", "n_kv_heads")}
-    config = hf_config(ours, **sizes, vocab_size=96)
+    rope = {**shape.get("rope_scaling", {"rope_type": "default"}), "rope_theta": shape["rope_theta"]}
+    config = hf_config(ours, **sizes, vocab_size=96, rope=rope)
+    assert ours.hf_config()["rope_parameters"] == rope
     config._attn_implementation = "eager"  # HF's own attention arithmetic, not the SDPA ours calls
     theirs = LlamaForCausalLM(config).eval()
     state = {hf_name(name): value for name, value in ours.state_dict().items()}
@@ -264,26 +280,42 @@ def test_llama_gives_the_logits_of_transformers_llama_with_the_same_weights(shap
         assert theirs.lm_head.weight.data_ptr() == theirs.model.embed_tokens.weight.data_ptr()
     logits = []
     ours.output.register_forward_hook(lambda module, args, out: logits.append(out))
-    tokens = torch.randint(96, (3, 40), generator=generator)
+    tokens = torch.randint(96, (3, seq), generator=generator)
     ours.eval()(tokens, tokens)
     with torch.no_grad():
         expected = theirs(input_ids=tokens).logits
     torch.testing.assert_close(logits[0].detach(), expected, rtol=1e-5, atol=1e-5)
 
 
+# the architecture keys of the published config.json files (meta-llama/Llama-3.2-1B, Llama-3.1-8B)
+LLAMA3_PUBLISHED = {"rms_norm_eps": 1e-05, "rope_theta": 500000.0, "vocab_size": 128256}
+LLAMA3_PUBLISHED["max_position_embeddings"] = 131072
+LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+LLAMA3_ROPE["original_max_position_embeddings"] = 8192
+LLAMA3_2_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8)
+LLAMA3_2_1B.update(intermediate_size=8192, tie_word_embeddings=True, rope_scaling={**LLAMA3_ROPE, "factor": 32.0})
+LLAMA3_1_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8)
+LLAMA3_1_8B.update(intermediate_size=14336, tie_word_embeddings=False, rope_scaling={**LLAMA3_ROPE, "factor": 8.0})
+
+
 @pytest.mark.parametrize(
-    "preset,published", [("llama3_1b", 1_235_814_400), ("llama3_8b", 8_030_261_248)], ids=["1b", "8b"]
+    "preset,published,count",
+    [("llama3_1b", LLAMA3_2_1B, 1_235_814_400), ("llama3_8b", LLAMA3_1_8B, 8_030_261_248)],
+    ids=["1b", "8b"],
 )
-def test_llama_presets_have_the_published_parameter_counts(preset, published):
-    """Built on the meta device, as validate builds them; transformers'
-    LlamaForCausalLM of the same shape counts the same."""
-    from transformers import LlamaForCausalLM
+def test_llama_presets_are_the_published_configs(preset, published, count):
+    """Built on the meta device, as validate builds them, the presets export the
+    published config.json's architecture (RoPE scaling included) and count the
+    published parameters, as transformers' LlamaForCausalLM of that config does."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         cfg = compose("config", overrides=[f"model={preset}"]).model
     ours = build_model(cfg, seq_len=8192)
-    sizes = {k: cfg[k] for k in ("d_model", "n_layer", "n_heads", "n_kv_heads", "vocab_size")}
+    config = LlamaConfig(**LLAMA3_PUBLISHED, **published)
+    exported = LlamaConfig(**ours.hf_config())
+    for key in {*LLAMA3_PUBLISHED, *published, "head_dim", "rope_parameters"} - {"rope_theta", "rope_scaling"}:
+        assert getattr(exported, key) == getattr(config, key), key
     with torch.device("meta"):
-        theirs = LlamaForCausalLM(hf_config(ours, **sizes))
-    count = sum(p.numel() for p in ours.parameters())
-    assert count == sum(p.numel() for p in theirs.parameters()) == published
+        theirs = LlamaForCausalLM(config)
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in theirs.parameters()) == count

@@ -5,6 +5,7 @@ weights that do not fit, before any rank starts."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -17,13 +18,15 @@ from safetensors.torch import load_file
 
 from harness.config import ConfigError, register_configs
 from harness.data import build_data
+from harness.launch.check import settle_config
 from harness.models import build_model, materialize
-from harness.validate import validate
+from harness.overrides import override_errors
 
 from support import REPO, check_ok, losses, read_metrics, run_cli
 
 register_configs()
 CPU = torch.device("cpu")
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 SMALL = ["train.batch_size=4", "train.seq_len=16", "train.log_every=1", "optimizer=adamw"]
 # a Llama of the debug shape, narrower; model=hf the same shape through transformers, tied
 LLAMA = ["model=llama", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2"]
@@ -31,7 +34,7 @@ HF_LLAMA = [
     "model=hf",
     "model.config_overrides.hidden_size=64",
     "model.config_overrides.intermediate_size=256",
-    "+model.config_overrides.tie_word_embeddings=true",
+    "model.config_overrides.tie_word_embeddings=true",  # a transformers key the default overrides lack: no '+'
 ]
 
 
@@ -81,6 +84,7 @@ def test_export_loads_in_transformers_and_init_from_reads_it_back_bitwise(model,
     exported = exported_tensors(out)
     if model == "llama":  # steps 4-5 were local: the replicas differ, and the export is their mean
         assert "exported the mean of 2 diverged replicas at step 5" in proc.stdout, proc.stdout
+        assert "this run" not in proc.stdout + proc.stderr, "the export speaks of exporting, not of resuming"
         step = run / "checkpoints" / "step_5"
         r0, r1 = (torch.load(step / f, weights_only=True)["model"] for f in ("full.pt", "replica_1.pt"))
         assert not torch.equal(r0["output.weight"], r1["output.weight"])
@@ -90,7 +94,8 @@ def test_export_loads_in_transformers_and_init_from_reads_it_back_bitwise(model,
     for name, param in theirs.named_parameters():
         assert torch.equal(param, exported[name]), name
 
-    cfg = make(*model_args, f"model.init_from={out}", *SMALL)
+    # init_from alone gives the architecture (config.json's), as from_pretrained(out) takes it
+    cfg = settle([f"model={model}", f"model.init_from={out}", *SMALL], tmp_path)
     ours = build_model(cfg.model, cfg.train.seq_len)
     materialize(ours, CPU, seed=123, init_from=cfg.model.init_from)
     state = dict(ours.named_parameters())
@@ -99,8 +104,15 @@ def test_export_loads_in_transformers_and_init_from_reads_it_back_bitwise(model,
         assert torch.equal(state[fqn], exported[hf]), fqn  # harness -> HF -> harness is bitwise
 
     sharded = tmp_path / "sharded"
-    args = [*SMALL, *model_args, f"model.init_from={out}", "launcher.nproc=2", "sharding=full_shard"]
-    check_ok(run_cli([*args, "averager=none", "train.steps=1", f"hydra.run.dir={sharded}"], cli_env, tmp_path))
+    args = [*SMALL, f"model={model}", f"model.init_from={out}", "launcher.nproc=2", "sharding=full_shard"]
+    proc = run_cli([*args, "averager=none", "train.steps=1", f"hydra.run.dir={sharded}"], cli_env, tmp_path)
+    check_ok(proc)
+    recorded = OmegaConf.to_container(OmegaConf.load(sharded / ".hydra" / "config.yaml").model)
+    assert recorded == OmegaConf.to_container(cfg.model), "the run records what it built"
+    assert (
+        f"model.init_from={out}: the architecture from its config.json: llama, 2 layers, hidden size 64"
+        in (sharded / "train.log").read_text()
+    )
     # the run's first global batch (2 ranks x 4), read in one process
     tokens, targets = build_data(make(*args, "train.batch_size=8"), rank=0, world_size=1, device=CPU).next_batch()
     logits = []
@@ -114,43 +126,199 @@ def test_export_loads_in_transformers_and_init_from_reads_it_back_bitwise(model,
     assert read_metrics(sharded)[0]["train/loss"] != pytest.approx(read_metrics(run)[0]["train/loss"], rel=1e-3)
 
 
+@pytest.mark.slow
+def test_a_resume_does_not_read_init_from_and_export_speaks_of_exporting(tmp_path, cli_env):
+    """init_from says what it read and loaded; the run's resume works after the
+    directory has moved (it reads neither its config.json nor its weights); the
+    export of the run speaks of exporting, and refuses a file as its target."""
+    save_tiny_llama(tmp_path / "hf")
+    run = tmp_path / "run"
+    args = [*SMALL, "model=llama", f"model.init_from={tmp_path / 'hf'}", "launcher.nproc=1", "averager=none"]
+    args += ["sharding=full_shard", "checkpoint=full", "checkpoint.interval=2", f"hydra.run.dir={run}"]
+    check_ok(run_cli([*args, "train.steps=2"], cli_env, tmp_path))
+    log = (run / "train.log").read_text()
+    assert f"model.init_from={tmp_path / 'hf'}: the architecture from its config.json: llama, 2 layers" in log
+    assert "loaded 21 tensors (" in log and "parameters) from 1 safetensors file(s)" in log
+
+    (tmp_path / "hf").rename(tmp_path / "moved")
+    check_ok(run_cli([*args, "train.steps=4"], cli_env, tmp_path))
+    log = (run / "train.log").read_text()
+    assert f"model.init_from is not read: the run resumes from {run / 'checkpoints' / 'step_2'}" in log
+    assert [row["step"] for row in read_metrics(run) if "train/loss" in row] == [1, 2, 3, 4]
+
+    (tmp_path / "a_file").write_text("not a folder")
+    export = [sys.executable, "-m", "harness.export", str(run)]
+    proc = subprocess.run([*export, str(tmp_path / "a_file")], env=cli_env, capture_output=True, text=True)
+    assert proc.returncode == 2 and "is a file, not a directory. Fix:" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and (tmp_path / "a_file").read_text() == "not a folder"
+    proc = subprocess.run([*export, str(tmp_path / "out")], env=cli_env, capture_output=True, text=True)
+    check_ok(proc)
+    assert "this run" not in proc.stdout + proc.stderr and "RNG states" not in proc.stdout + proc.stderr
+    assert proc.stdout.startswith("exported the model at step 4"), proc.stdout
+    assert "without a tokenizer: the run trained on SyntheticTokens without a tokenizer file" in proc.stdout
+
+
+def save_published_model(path: Path, corpus: list[str]) -> None:
+    """A "published" model the ordinary way: a fast tokenizer (BPE with <s> and </s>, trained on
+    `corpus`) and a random Llama 3.2-style model (scaled RoPE, tied) with its special tokens' ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"], initial_alphabet=alphabet)
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(path)
+    rope = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    config = LlamaConfig(vocab_size=320, num_key_value_heads=2, tie_word_embeddings=True, **shape)
+    config.rope_parameters = {**rope, "original_max_position_embeddings": 8, "rope_theta": 10000.0}
+    config.bos_token_id, config.eos_token_id = fast.bos_token_id, fast.eos_token_id
+    LlamaForCausalLM(config).save_pretrained(path)
+
+
+@pytest.mark.slow
+def test_published_model_to_generated_text_with_no_hand_edits(tmp_path, cli_env):
+    """A published model's directory -> harness.prepare with its tokenizer (and its
+    end-of-text token) -> train from it -> harness.export -> transformers loads the
+    tokenizer and the model from the export alone and generates."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    corpus = [" ".join(WORDS[i % 7 :] + WORDS[: i % 5]) + f" note {i}." for i in range(30)]
+    (tmp_path / "corpus").mkdir()
+    for i, text in enumerate(corpus):
+        (tmp_path / "corpus" / f"{i:02d}.txt").write_text(text)
+    published, data, run, out = (tmp_path / name for name in ("published", "data", "run", "out"))
+    save_published_model(published, corpus)
+    prepare = [f"input=[{tmp_path / 'corpus'}/*.txt]", f"out={data}", f"tokenizer={published}"]
+    command = [sys.executable, "-m", "harness.prepare", *prepare]
+    check_ok(subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, env=cli_env))
+    theirs = AutoTokenizer.from_pretrained(published)
+    assert json.loads((data / "index.json").read_text())["eot_id"] == theirs.eos_token_id  # </s>, not <|endoftext|>
+
+    args = [*SMALL, "model=llama", f"model.init_from={published}", "data=tokens", f"data.path={data}"]
+    args += ["launcher.nproc=1", "averager=none", "sharding=full_shard", "checkpoint=full", "train.steps=2"]
+    check_ok(run_cli([*args, f"hydra.run.dir={run}"], cli_env, tmp_path))
+    proc = subprocess.run(
+        [sys.executable, "-m", "harness.export", str(run), str(out)], env=cli_env, capture_output=True, text=True
+    )
+    check_ok(proc)
+    assert f"with the tokenizer the run trained with, the dataset's (data.path={data})" in proc.stdout
+
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer.get_vocab() == theirs.get_vocab()
+    assert (tokenizer.bos_token, tokenizer.eos_token) == ("<s>", "</s>")
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert (model.config.bos_token_id, model.config.eos_token_id) == (theirs.bos_token_id, theirs.eos_token_id)
+    assert model.config.rope_parameters["rope_type"] == "llama3"
+    assert model.generation_config.eos_token_id == theirs.eos_token_id
+    prompt = tokenizer("alpha beta", return_tensors="pt")
+    ids = model.generate(**prompt, max_new_tokens=6, do_sample=False)
+    assert ids.shape[1] > prompt.input_ids.shape[1]
+    assert tokenizer.decode(ids[0]).startswith("alpha beta")
+
+
 def init_from_case(tmp_path: Path, case: str) -> list[str]:
     """Overrides for one bad `model.init_from`, its files written under `tmp_path`."""
     if case == "missing":
         return [*LLAMA, f"model.init_from={tmp_path / 'nowhere'}"]
     if case == "no safetensors":
-        (tmp_path / "bin").mkdir()
+        save_tiny_llama(tmp_path / "bin")
+        for file in (tmp_path / "bin").glob("*.safetensors"):
+            file.unlink()
         torch.save({}, tmp_path / "bin" / "pytorch_model.bin")
-        return [*LLAMA, f"model.init_from={tmp_path / 'bin'}"]
-    if case == "shape":
+        return ["model=llama", f"model.init_from={tmp_path / 'bin'}"]
+    if case == "contradicted":
         save_tiny_llama(tmp_path / "wide", hidden_size=128, intermediate_size=512)
-        return [*LLAMA, f"model.init_from={tmp_path / 'wide'}"]
-    if case == "extra tensor":  # an untied checkpoint for a tied model: its lm_head would be dropped
-        save_tiny_llama(tmp_path / "untied", intermediate_size=256)
-        return [*LLAMA, "model.tie_embeddings=true", f"model.init_from={tmp_path / 'untied'}"]
+        return [*LLAMA, "model.tie_embeddings=true", f"model.init_from={tmp_path / 'wide'}"]
+    if case == "contradicted width":
+        save_tiny_llama(tmp_path / "wide", hidden_size=128, intermediate_size=512)
+        return ["model=llama", "model.multiple_of=64", f"model.init_from={tmp_path / 'wide'}"]
+    if case == "shape":  # config.json that does not describe its weights
+        save_tiny_llama(tmp_path / "llama")
+        config = json.loads((tmp_path / "llama" / "config.json").read_text())
+        (tmp_path / "llama" / "config.json").write_text(json.dumps({**config, "vocab_size": 128}))
+        return ["model=llama", f"model.init_from={tmp_path / 'llama'}"]
+    if case == "extra tensor":  # a config.json that ties the table over weights with an lm_head of its own
+        save_tiny_llama(tmp_path / "untied")
+        config = json.loads((tmp_path / "untied" / "config.json").read_text())
+        (tmp_path / "untied" / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+        return ["model=llama", f"model.init_from={tmp_path / 'untied'}"]
     if case == "no hf layout":
         save_tiny_llama(tmp_path / "llama")
         return ["model=mlp", f"model.init_from={tmp_path / 'llama'}"]
     if case == "config vocab":
         save_tiny_llama(tmp_path / "vocab")
         return ["model=hf", f"model.config={tmp_path / 'vocab'}", "model.vocab_size=512"]
+    if case == "not a llama":
+        save_tiny_qwen2(tmp_path / "qwen2")
+        return ["model=llama", f"model.init_from={tmp_path / 'qwen2'}"]
+    if case == "yarn":
+        save_tiny_llama(tmp_path / "yarn", rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4})
+        return ["model=llama", f"model.init_from={tmp_path / 'yarn'}"]
+    if case == "no config.json":
+        save_tiny_llama(tmp_path / "bare")
+        (tmp_path / "bare" / "config.json").unlink()
+        return ["model=hf", f"model.init_from={tmp_path / 'bare'}"]
+    if case in ("truncated safetensors", "garbage safetensors"):
+        save_tiny_llama(tmp_path / "cut")
+        file = tmp_path / "cut" / "model.safetensors"
+        file.write_bytes(file.read_bytes()[: file.stat().st_size // 2] if case.startswith("trunc") else b"<html>")
+        return ["model=llama", f"model.init_from={tmp_path / 'cut'}"]
+    if case in ("unknown model_type", "not causal"):
+        (tmp_path / "other").mkdir()
+        model_type = "nopeformer" if case == "unknown model_type" else "t5"
+        (tmp_path / "other" / "config.json").write_text(json.dumps({"model_type": model_type}))
+        return ["model=hf", f"model.init_from={tmp_path / 'other'}"]
     raise AssertionError(case)
+
+
+def save_tiny_qwen2(path: Path) -> None:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=256, num_key_value_heads=2, **shape)).save_pretrained(path)
 
 
 INIT_FROM_CASES = [
     ("missing", ["model.init_from=", "nowhere", "no such directory", "Fix:"]),
     ("no safetensors", ["holds no *.safetensors", "save_pretrained(..., safe_serialization=True)"]),
-    ("shape", ["tensor 'model.embed_tokens.weight' has shape [256, 128], the model's is [256, 64]", "Fix:"]),
+    (
+        "contradicted",
+        [
+            "command line contradicts it: model.d_model=64 (config.json: 128); model.tie_embeddings=true (config.json: "
+            "false). Fix: drop those model keys"
+        ],
+    ),
+    ("contradicted width", ["model.multiple_of=64", "SwiGLU width of 384 (config.json: intermediate_size=512)"]),
+    ("shape", ["tensor 'model.embed_tokens.weight' has shape [256, 64], the model's is [128, 64]", "Fix:"]),
     ("extra tensor", ["holds tensor 'lm_head.weight'", "model.tie_embeddings", "Fix:"]),
     ("no hf layout", ["model TokenMLP has no Hugging Face layout", "Fix: model=llama or model=hf"]),
     ("config vocab", ["model.vocab_size=512 differs from", "vocab_size=256", "Fix: model.vocab_size=256"]),
+    ("not a llama", ["Qwen2Config (model_type='qwen2'), not a Llama", "Fix: model=hf model.init_from="]),
+    ("yarn", ["rope_type='yarn'", "Fix: model=hf model.init_from="]),
+    ("no config.json", ["holds no config.json", "Fix:"]),
+    ("truncated safetensors", ["model.safetensors cannot be read as safetensors", "incomplete metadata", "Fix:"]),
+    ("garbage safetensors", ["model.safetensors cannot be read as safetensors", "header too", "Fix:"]),
+    ("unknown model_type", ["model_type='nopeformer', which transformers 5.", "does not know", "Fix:"]),
+    ("not causal", ["T5Config (model_type='t5')", "no causal LM class", "Fix:"]),
 ]
+
+
+def settle(overrides: list[str], tmp_path: Path):
+    """The config `python train.py <overrides>` runs with, settled as before any rank starts."""
+    cfg = make(*overrides)
+    settle_config(cfg, 2, 2, tmp_path / "settled", overrides)
+    return cfg
 
 
 @pytest.mark.parametrize("case,expected", INIT_FROM_CASES, ids=[c[0] for c in INIT_FROM_CASES])
 def test_weights_that_do_not_fit_are_refused_before_any_rank_starts(case, expected, tmp_path):
     with pytest.raises(ConfigError) as info:
-        validate(make(*init_from_case(tmp_path, case)), world_size=2, gpus=0)
+        settle(init_from_case(tmp_path, case), tmp_path)
     for text in expected:
         assert text in str(info.value), f"{text!r} not in:\n{info.value}"
 
@@ -182,6 +350,7 @@ def test_model_hf_names_what_is_missing(setup, expected):
 
 
 def test_hf_config_overrides_reach_the_transformers_config():
+    assert override_errors(["train.py", *HF_LLAMA], REPO / "conf") == []
     cfg = make(*HF_LLAMA, "model.config_overrides.num_hidden_layers=3")
     model = build_model(cfg.model, seq_len=16)
     assert len(model.blocks) == 3 and model.config.hidden_size == 64 and model.config.vocab_size == 256

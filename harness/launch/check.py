@@ -1,6 +1,7 @@
 """The config checked against the world it will run in, before any rank starts:
-`check_config` validates and preflights it, plans the run (`RunPlan`), and
-records in the config what it decided, so the ranks and `.hydra/` see it."""
+`check_config` completes it (the architecture `model.init_from` names),
+validates and preflights it, plans the run (`RunPlan`), and records in the
+config what it decided, so the ranks and `.hydra/` see it."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ from pathlib import Path
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from harness.checkpoint import read_meta
+from harness.checkpoint import CheckpointError, read_meta, resume_path
 from harness.config import ConfigError, NoAveragerConf
 from harness.dist import print_once, resolve_device, under_torchrun, visible_gpus
 from harness.launch.logs import setup_logging
 from harness.lr_schedules import depends_on_total_steps
 from harness.mesh import HYBRID, mesh_shape
+from harness.models.pretrained import adopt_init_from, adopt_saved_architecture, explicit_model_keys
 from harness.plan import RunPlan, averager_configured, plan_run
 from harness.preflight import preflight
 from harness.validate import config_warnings, validate
@@ -42,9 +44,27 @@ def start_method(cfg: DictConfig) -> str:
 
 
 def check_config(cfg: DictConfig, world_size: int, local_world_size: int, run_dir: Path, rank: int) -> RunPlan:
-    """Validate, preflight and plan the run, then on rank 0 set up logging and
+    """Settle the config (`settle_config`), then on rank 0 set up logging and
     write `.hydra/`. Raises ConfigError (every broken rule) when it cannot run."""
-    note = train_one_replica_synchronously(cfg, world_size, local_world_size, HydraConfig.get().overrides.task)
+    plan, warnings, notes = settle_config(cfg, world_size, local_world_size, run_dir, HydraConfig.get().overrides.task)
+    setup_logging(run_dir, rank)
+    if rank == 0:
+        save_hydra_config(cfg, run_dir)
+        for warning in warnings:
+            log.warning("%s", warning)
+        for note in notes:
+            log.info("%s", note)
+    return plan
+
+
+def settle_config(
+    cfg: DictConfig, world_size: int, local_world_size: int, run_dir: Path, overrides: list[str]
+) -> tuple[RunPlan, list[str], list[str]]:
+    """Complete the config (the architecture `model.init_from` names), validate,
+    preflight and plan the run, and record in the config what it decided; returns
+    the plan, warnings and notes for the log. `overrides`: the command line's."""
+    note = train_one_replica_synchronously(cfg, world_size, local_world_size, overrides)
+    loaded = model_from_init_from(cfg, run_dir, explicit_model_keys(overrides))
     validate(cfg, world_size, visible_gpus(), local_world_size)
     plan = plan_run(cfg, world_size, local_world_size, run_dir)
     if errors := preflight(cfg, run_dir, plan.resume_from):
@@ -54,12 +74,23 @@ def check_config(cfg: DictConfig, world_size: int, local_world_size: int, run_di
         cfg.launcher.nproc = world_size
     if cfg.sharding.strategy in HYBRID:
         cfg.sharding.replicate = plan.replicate
-    setup_logging(run_dir, rank)
-    if rank == 0:
-        save_hydra_config(cfg, run_dir)
-        for warning in ([note] if note else []) + config_warnings(cfg) + resume_warnings(cfg, plan):
-            log.warning("%s", warning)
-    return plan
+    warnings = ([note] if note else []) + config_warnings(cfg) + resume_warnings(cfg, plan)
+    return plan, warnings, [loaded] if loaded else []
+
+
+def model_from_init_from(cfg: DictConfig, run_dir: Path, explicit: set[str]) -> str | None:
+    """The model's architecture from `model.init_from`'s config.json (harness.models.pretrained), or on
+    a resume from the checkpoint, whose run took it from there; returns what was read, for the log."""
+    if cfg.model.get("init_from") is None:
+        return None
+    path = resume_path(cfg.checkpoint, run_dir)
+    if path is None:
+        return adopt_init_from(cfg.model, explicit)
+    try:
+        adopt_saved_architecture(cfg.model, read_meta(path)["model"], explicit)
+    except (CheckpointError, KeyError, TypeError):
+        pass  # preflight names what is wrong with the checkpoint
+    return f"model.init_from is not read: the run resumes from {path}"
 
 
 def resume_warnings(cfg: DictConfig, plan: RunPlan) -> list[str]:

@@ -29,6 +29,48 @@ MISSING = (
 )
 
 
+def read_config(path: str, key: str, **overrides):
+    """The transformers config in directory `path`'s config.json (plus `overrides`), as `from_pretrained`
+    reads it; ValueError naming `key` (the model key that names the directory) when it holds no causal LM."""
+    try:
+        from transformers import AutoConfig
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:
+        raise ValueError(MISSING) from None
+    file = os.path.join(os.path.expanduser(path), "config.json")
+    if not os.path.isfile(file):
+        raise ValueError(
+            f"{key}={path!r} holds no config.json, which says what model the directory holds. Fix: point {key} "
+            "at a local directory of a Hugging Face model (the one save_pretrained writes: config.json and "
+            "*.safetensors)."
+        )
+    try:
+        with open(file) as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ValueError(
+            f"{key}={path!r}: its config.json is not a JSON object ({type(e).__name__}: {e}). "
+            "Fix: restore the file from the model's source, or write it again with save_pretrained."
+        ) from None
+    try:
+        import transformers
+
+        hf = AutoConfig.from_pretrained(os.path.expanduser(path), **overrides)
+    except ValueError:
+        raise ValueError(
+            f"{key}={path!r}: its config.json has model_type={model_type!r}, which transformers "
+            f"{transformers.__version__} does not know. Fix: a checkpoint of a model type transformers "
+            "knows (its CONFIG_MAPPING keys: llama, qwen2, gemma, ...), or a transformers release that has it."
+        ) from None
+    if hf.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(
+            f"{key}={path!r}: its config.json is a {type(hf).__name__} (model_type={hf.model_type!r}), which has "
+            "no causal LM class in transformers (AutoModelForCausalLM cannot build it), and the harness trains "
+            "next-token prediction. Fix: a causal LM's checkpoint (Llama, Qwen2, Gemma, ...)."
+        )
+    return hf
+
+
 def hf_config(config: str | None, model_type: str | None, overrides: dict, vocab_size: int):
     """The `transformers` config `model=hf` describes; ValueError naming the key when it cannot be had."""
     try:
@@ -37,17 +79,10 @@ def hf_config(config: str | None, model_type: str | None, overrides: dict, vocab
     except ImportError:
         raise ValueError(MISSING) from None
     if config is not None:
-        path = os.path.expanduser(config)
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise ValueError(
-                f"model.config={config!r} holds no config.json. Fix: point model.config at a local directory "
-                "of a Hugging Face model (the one save_pretrained writes), or set it to null and name a "
-                "model.model_type."
-            )
-        hf = AutoConfig.from_pretrained(path, **overrides)
+        hf = read_config(config, "model.config", **overrides)
         if hf.get_text_config().vocab_size != vocab_size:
             raise ValueError(
-                f"model.vocab_size={vocab_size} differs from {path}/config.json's vocab_size="
+                f"model.vocab_size={vocab_size} differs from {config}/config.json's vocab_size="
                 f"{hf.get_text_config().vocab_size}. Fix: model.vocab_size={hf.get_text_config().vocab_size}, "
                 "or model.config_overrides.vocab_size to train another vocabulary from scratch."
             )
@@ -61,6 +96,22 @@ def hf_config(config: str | None, model_type: str | None, overrides: dict, vocab
             "or model.config=<dir with config.json>."
         )
     return AutoConfig.for_model(model_type, **{"vocab_size": vocab_size, **overrides})
+
+
+def check_override_keys(hf, overrides: dict) -> None:
+    """transformers sets any keyword as an attribute, so a misspelt override would be silently
+    unused: each must be a key of the config's class (its defaults, or an alias it maps)."""
+    from harness.overrides import closest
+
+    known = sorted({*type(hf)().to_dict(), *type(hf).attribute_map})
+    for key in overrides:
+        if key not in known:
+            typo = closest(key, known)
+            fix = f"model.config_overrides.{typo}=... (the closest key)" if typo else "one of its keys"
+            raise ValueError(
+                f"model.config_overrides.{key}: {type(hf).__name__} has no key {key!r}, so transformers would "
+                f"set it and no model would read it. Fix: {fix}; its keys are config.json's."
+            )
 
 
 class HFCausalLM(nn.Module):
@@ -82,6 +133,7 @@ class HFCausalLM(nn.Module):
                 "reads too. Fix: set model.vocab_size instead."
             )
         hf = hf_config(config, model_type, overrides, vocab_size)
+        check_override_keys(hf, overrides)
         hf._attn_implementation = "sdpa"  # CUDA picks flash / efficient kernels, as for the harness's models
         positions = getattr(hf.get_text_config(), "max_position_embeddings", None)
         if seq_len is not None and positions is not None and seq_len > positions:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -21,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+log = logging.getLogger(__name__)
 NEEDS_SAFETENSORS = 'Fix: pip install -e ".[hf]" (or pip install safetensors).'
 
 
@@ -52,6 +54,13 @@ def init_from_errors(model: nn.Module, init_from: str) -> list[str]:
         saved = dcp.HuggingFaceStorageReader(path).read_metadata().state_dict_metadata
     except ImportError:
         return [f"{key}: reading safetensors needs the safetensors package, not installed. {NEEDS_SAFETENSORS}"]
+    except Exception as e:  # noqa: BLE001 - safetensors' SafetensorError (a bad header), OSError
+        return [
+            f"{key}: {unreadable_file(path) or 'a *.safetensors file'} cannot be read as safetensors "
+            f"({type(e).__name__}: {e}): cut short by an interrupted download or copy, or not a safetensors file. "
+            "Fix: copy or download it again (its size should equal the source's), or write the checkpoint again "
+            "with save_pretrained."
+        ]
     expected = {hf: tuple(p.shape) for hf, p in hf_state(model).items()}
     for name, shape in expected.items():
         if name not in saved:
@@ -75,26 +84,51 @@ def init_from_errors(model: nn.Module, init_from: str) -> list[str]:
     return []
 
 
+def unreadable_file(path: str) -> str | None:
+    """The first *.safetensors file in `path` whose header safetensors cannot read."""
+    from safetensors import safe_open
+
+    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        try:
+            with safe_open(file, framework="pt"):
+                pass
+        except Exception:  # noqa: BLE001 - SafetensorError, OSError: this is the file
+            return file
+    return None
+
+
 @torch.no_grad()
 def load_hf_weights(model: nn.Module, init_from: str) -> None:
     """Fill `model`'s parameters from the safetensors checkpoint at `init_from`, in place,
     in any layout (collective under a process group); dtypes are converted to the parameters'."""
     path = os.path.expanduser(init_from)
     reader = dcp.HuggingFaceStorageReader(path)
-    dcp.load(hf_state(model), storage_reader=reader, no_dist=not dist.is_initialized())
+    state = hf_state(model)
+    dcp.load(state, storage_reader=reader, no_dist=not dist.is_initialized())
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        files = len(glob.glob(os.path.join(path, "*.safetensors")))
+        params = sum(t.numel() for t in state.values())
+        log.info(
+            "model.init_from=%s: loaded %d tensors (%s parameters) from %d safetensors file(s)",
+            init_from,
+            len(state),
+            f"{params:,}",
+            files,
+        )
 
 
 @torch.no_grad()
-def save_hf_weights(model: nn.Module, out: Path, notes: dict[str, dict] | None = None) -> None:
+def save_hf_weights(model: nn.Module, out: Path, notes: dict[str, dict | bytes] | None = None) -> None:
     """Write `model` (one process) as a Hugging Face checkpoint in `out`: safetensors through DCP's
-    writer, config.json, and `notes` (file name -> JSON content). Written into a sibling directory
-    and renamed, so `out` is whole or absent."""
+    writer, config.json (`model.hf_config()`, unless `notes` has one), and `notes` (file name -> JSON
+    content, or the file's bytes). Written into a sibling directory and renamed, so `out` is whole or absent."""
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     state = {hf: t.full_tensor() if isinstance(t, DTensor) else t for hf, t in hf_state(model).items()}
     dcp.save(state, storage_writer=dcp.HuggingFaceStorageWriter(str(partial)))
     for name, content in {"config.json": model.hf_config(), **(notes or {})}.items():
-        (partial / name).write_text(json.dumps(content, indent=2) + "\n")
+        data = content if isinstance(content, bytes) else (json.dumps(content, indent=2) + "\n").encode()
+        (partial / name).write_bytes(data)
     for file in partial.iterdir():
         with open(file, "rb") as f:
             os.fsync(f.fileno())

@@ -30,13 +30,77 @@ def ffn_hidden_size(d_model: int, multiple_of: int, ffn_dim_multiplier: float | 
     return multiple_of * -(-hidden // multiple_of)
 
 
-def rotary_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, ...]:
+# Llama 3.1's RoPE scaling (transformers' rope_type "llama3"): the keys of config.json's rope_scaling
+LLAMA3_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None, device: torch.device) -> torch.Tensor:
+    """Each channel pair's rotation per position, (head_dim / 2,) in float32. With Llama 3.1's
+    `scaling`, wavelengths longer than original_max_position_embeddings / low_freq_factor turn
+    `factor` times slower, those shorter than original / high_freq_factor stay, and those between
+    are interpolated: transformers' `_compute_llama3_parameters`, operation for operation, so the
+    logits match theirs to float32 rounding."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    if scaling is None:
+        return inv_freq
+    factor, low, high, original = (scaling[k] for k in LLAMA3_SCALING_KEYS)
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < original / high) * ~(wavelen > original / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rotary_cos_sin(
+    seq_len: int, head_dim: int, theta: float, scaling: dict | None, device: torch.device
+) -> tuple[torch.Tensor, ...]:
     """cos and sin of each position's angles, (seq_len, head_dim), in float32; computed per
     forward (a few kFLOPs), so no buffer has to survive the meta-device build or meet FSDP2 and DCP."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    inv_freq = inverse_frequencies(head_dim, theta, scaling, device)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
+
+
+def check_rope_scaling(scaling: dict | None) -> dict | None:
+    """`model.rope_scaling` as transformers' config.json spells it (rope_type llama3 and its four
+    keys), or null for none; ValueError naming the key, the value and the fix otherwise."""
+    if scaling is None:
+        return None
+    if not isinstance(scaling, dict):
+        raise ValueError(
+            f"model.rope_scaling={scaling!r} is not a mapping. Fix: model.rope_scaling=null, or Llama 3.1's "
+            "{rope_type: llama3, factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, "
+            "original_max_position_embeddings: 8192}."
+        )
+    kind = scaling.get("rope_type")
+    if kind != "llama3":
+        raise ValueError(
+            f"model.rope_scaling.rope_type={kind!r}: model=llama computes Llama 3.1's RoPE scaling "
+            "(rope_type llama3) only. Fix: model=hf model.config=<the checkpoint's directory> (transformers "
+            "computes every rope type: yarn, dynamic, linear, longrope, ...), or model.rope_scaling=null."
+        )
+    missing = [k for k in LLAMA3_SCALING_KEYS if k not in scaling]
+    unknown = sorted(set(scaling) - {"rope_type", *LLAMA3_SCALING_KEYS})
+    if missing or unknown:
+        raise ValueError(
+            f"model.rope_scaling={scaling!r} "
+            + (f"lacks {', '.join(missing)}" if missing else f"has keys llama3 scaling does not take: {unknown}")
+            + f". Fix: give exactly rope_type: llama3 and {', '.join(LLAMA3_SCALING_KEYS)} "
+            "(Llama 3.1: 8.0, 1.0, 4.0, 8192; Llama 3.2: 32.0, 1.0, 4.0, 8192)."
+        )
+    values = {k: scaling[k] for k in LLAMA3_SCALING_KEYS}
+    bad = [f"model.rope_scaling.{k}={v}" for k, v in values.items() if isinstance(v, bool) or not v > 0]
+    if bad or not values["high_freq_factor"] > values["low_freq_factor"]:
+        raise ValueError(
+            f"{', '.join(bad) or 'model.rope_scaling'}: the factors and original_max_position_embeddings must "
+            "be positive and high_freq_factor above low_freq_factor "
+            f"(given {values['low_freq_factor']} and {values['high_freq_factor']}). "
+            "Fix: Llama 3.1's values: factor 8.0, low_freq_factor 1.0, high_freq_factor 4.0, "
+            "original_max_position_embeddings 8192."
+        )
+    return {"rope_type": "llama3", **values}
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -98,8 +162,10 @@ class LlamaBlock(nn.Module):
 
 class Llama(nn.Module):
     """Llama 3 decoder; attention and residual dropout as GPT's. `n_kv_heads`
-    null means one key/value head per query head (no grouping). `seq_len` is
-    taken and unused: rotary positions need no table."""
+    null means one key/value head per query head (no grouping); `rope_scaling`
+    is Llama 3.1's (config.json's dict, rope_type llama3), null for none.
+    Rotary positions need no table: `max_position_embeddings` (else `seq_len`)
+    is only the context length the exported config.json records."""
 
     def __init__(
         self,
@@ -110,10 +176,13 @@ class Llama(nn.Module):
         n_kv_heads: int | None = None,
         multiple_of: int = 256,
         ffn_dim_multiplier: float | None = None,
+        intermediate_size: int | None = None,
         norm_eps: float = 1e-5,
         rope_theta: float = 500000.0,
+        rope_scaling: dict | None = None,
         tie_embeddings: bool = False,
         dropout: float = 0.0,
+        max_position_embeddings: int | None = None,
         seq_len: int | None = None,
     ):
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
@@ -127,13 +196,16 @@ class Llama(nn.Module):
         )
         require_probability(dropout)
         scales = {"ffn_dim_multiplier": ffn_dim_multiplier, "norm_eps": norm_eps, "rope_theta": rope_theta}
+        scales.update(intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings)
         for key, value in scales.items():
             if value is not None and not value > 0:
                 raise ValueError(f"model.{key}={value} must be positive. Fix: set model.{key} to a positive number.")
         check_heads(d_model, n_heads, n_kv_heads)
+        rope_scaling = check_rope_scaling(rope_scaling)
         super().__init__()
         self.head_dim, self.rope_theta, self.tie_embeddings = d_model // n_heads, rope_theta, tie_embeddings
-        hidden = ffn_hidden_size(d_model, multiple_of, ffn_dim_multiplier)
+        self.rope_scaling, self.max_position_embeddings = rope_scaling, max_position_embeddings or seq_len
+        hidden = intermediate_size or ffn_hidden_size(d_model, multiple_of, ffn_dim_multiplier)
         self.tok_embeddings = nn.Embedding(vocab_size, d_model)
         self.blocks = nn.ModuleList(
             LlamaBlock(d_model, n_heads, n_kv_heads, hidden, norm_eps, dropout) for _ in range(n_layer)
@@ -173,7 +245,8 @@ class Llama(nn.Module):
             "head_dim": self.head_dim,
             "hidden_act": "silu",
             "rms_norm_eps": self.norm.eps,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            **({"max_position_embeddings": self.max_position_embeddings} if self.max_position_embeddings else {}),
+            "rope_parameters": {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta},
             "tie_word_embeddings": self.tie_embeddings,
             "attention_dropout": attention.dropout,
             "attention_bias": False,
@@ -201,12 +274,52 @@ class Llama(nn.Module):
         return nn.init.trunc_normal_(value, std=std, generator=generator)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        cos, sin = rotary_cos_sin(tokens.shape[1], self.head_dim, self.rope_theta, tokens.device)
+        cos, sin = rotary_cos_sin(tokens.shape[1], self.head_dim, self.rope_theta, self.rope_scaling, tokens.device)
         x = self.tok_embeddings(tokens)
         for block in self.blocks:
             x = block(x, cos, sin)
         logits = self.output(self.norm(x))
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def keys_from_hf_config(hf, init_from: str) -> dict:
+    """model=llama's architecture keys from transformers config `hf` (read from `init_from`'s
+    config.json); ValueError with the fix `model=hf` for what model=llama does not compute."""
+    key = f"model.init_from={init_from!r}"
+    if hf.model_type != "llama":
+        raise ValueError(
+            f"{key}: its config.json is a {type(hf).__name__} (model_type={hf.model_type!r}), not a Llama. "
+            f"Fix: model=hf model.init_from={init_from} (any transformers causal LM)."
+        )
+    rope = dict(hf.rope_parameters)
+    theta, kind = rope.pop("rope_theta"), rope.get("rope_type", "default")
+    unsupported = {
+        "hidden_act": (hf.hidden_act, "silu"),
+        "attention_bias": (hf.attention_bias, False),
+        "mlp_bias": (hf.mlp_bias, False),
+        "head_dim": (hf.head_dim, hf.hidden_size // hf.num_attention_heads),
+        "rope_type": (kind, "default or llama3"),
+        "partial_rotary_factor": (rope.pop("partial_rotary_factor", 1.0), 1.0),
+    }
+    for name, (value, ours) in unsupported.items():
+        if value != ours and not (name == "rope_type" and kind in ("default", "llama3")):
+            raise ValueError(
+                f"{key}: its config.json has {name}={value!r}, and model=llama computes {name}={ours} only. "
+                f"Fix: model=hf model.init_from={init_from} (transformers computes it)."
+            )
+    return {
+        "vocab_size": hf.vocab_size,
+        "d_model": hf.hidden_size,
+        "n_layer": hf.num_hidden_layers,
+        "n_heads": hf.num_attention_heads,
+        "n_kv_heads": hf.num_key_value_heads,
+        "intermediate_size": hf.intermediate_size,
+        "norm_eps": hf.rms_norm_eps,
+        "rope_theta": theta,
+        "rope_scaling": rope if kind == "llama3" else None,
+        "tie_embeddings": hf.tie_word_embeddings,
+        "max_position_embeddings": hf.max_position_embeddings,
+    }
 
 
 HF_NAMES = [  # our name's parts as transformers' LlamaForCausalLM spells them
