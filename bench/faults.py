@@ -167,6 +167,7 @@ def measure(groups: int, args: argparse.Namespace, work: Path) -> list[dict]:
     batch, seq = BATCH[smoke]
     tokens_per_step = batch * seq * groups
     ft = [sys.executable, str(REPO / "train.py"), "fault_tolerance=torchft", f"launcher.nproc={groups}", *base]
+    ft.append(f"fault_tolerance.max_restarts={args.failures + 1}")  # one group may take every failure
     baseline = [
         sys.executable,
         "-m",

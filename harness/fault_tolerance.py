@@ -52,6 +52,7 @@ def config_errors(cfg: DictConfig, replicas: int | None) -> list[str]:
     if not enabled(cfg):
         return []
     ft, errors = cfg.fault_tolerance, []
+    quiet_torchft()  # before torchft's first import: its Rust side reads RUST_LOG then
     try:
         import torchft  # noqa: F401
     except ImportError as e:
