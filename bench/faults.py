@@ -168,6 +168,7 @@ def measure(groups: int, args: argparse.Namespace, work: Path) -> list[dict]:
     tokens_per_step = batch * seq * groups
     ft = [sys.executable, str(REPO / "train.py"), "fault_tolerance=torchft", f"launcher.nproc={groups}", *base]
     ft.append(f"fault_tolerance.max_restarts={args.failures + 1}")  # one group may take every failure
+    ft += args.ft
     baseline = [
         sys.executable,
         "-m",
@@ -242,6 +243,12 @@ def main() -> None:
     parser.add_argument("--failures", type=int, default=10, help="failures injected per job (at most)")
     parser.add_argument("--checkpoint-interval", type=int, default=8, help="the baseline's checkpoint.interval")
     parser.add_argument("--seed", type=int, default=0, help="which group or rank each failure hits")
+    parser.add_argument(
+        "--ft",
+        nargs="*",
+        default=[],
+        help="more overrides for the fault-tolerant jobs (fault_tolerance.heartbeat_timeout_s=2)",
+    )
     args = parser.parse_args()
     if args.smoke:
         args.groups, args.steps, args.period, args.every, args.failures = "2", 40, 4, 3.0, 1
