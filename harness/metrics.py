@@ -151,7 +151,10 @@ FT_QUORUM_STEP = "steps that opened a quorum, with fault_tolerance=torchft"
 FT_REPLICAS = Metric("ft/replicas", "", FT, "replica groups in the quorum of this group's last quorum")
 FT_HEALS = Metric("ft/heals", "", FT, "times this replica group was healed from a live peer, cumulative")
 FT_HEAL_TIME = Metric(
-    "ft/heal_s", "s", "the step a replica group was healed", "receiving and loading a live peer's state"
+    "ft/heal_s",
+    "s",
+    "the step a replica group was healed",
+    "from asking for the quorum to holding a live peer's state: the wait for the peers' quorum, the transfer, the load",
 )
 FT_QUORUM_TIME = Metric(
     "ft/quorum_s", "s", FT_QUORUM_STEP, "waiting for the quorum at the step's start (a heal's time included)"
