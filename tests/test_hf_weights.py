@@ -218,7 +218,23 @@ def test_published_model_to_generated_text_with_no_hand_edits(tmp_path, cli_env)
     prompt = tokenizer("alpha beta", return_tensors="pt")
     ids = model.generate(**prompt, max_new_tokens=6, do_sample=False)
     assert ids.shape[1] > prompt.input_ids.shape[1]
-    assert tokenizer.decode(ids[0]).startswith("alpha beta")
+    greedy = tokenizer.decode(ids[0], skip_special_tokens=True)
+    assert greedy.startswith("alpha beta")
+
+    # python -m harness.generate on the run (exported on the way): the same text, greedy; on the export,
+    # sampled from a seed
+    generate = [sys.executable, "-m", "harness.generate", str(run), "prompt=alpha beta", "max_new_tokens=6"]
+    proc = subprocess.run(generate, env=cli_env, capture_output=True, text=True)
+    check_ok(proc)
+    assert proc.stdout == greedy + "\n"
+    sampled = [*generate[:3], str(out), *generate[4:], "temperature=1.5", "top_p=0.95", "seed=3"]  # the export
+    proc = subprocess.run(sampled, env=cli_env, capture_output=True, text=True)
+    check_ok(proc)
+    torch.manual_seed(3)
+    ids = model.generate(**prompt, max_new_tokens=6, do_sample=True, temperature=1.5, top_p=0.95)
+    assert proc.stdout == tokenizer.decode(ids[0], skip_special_tokens=True) + "\n"
+    proc = subprocess.run([*generate[:4], "prompt=x", "temprature=1"], env=cli_env, capture_output=True, text=True)
+    assert proc.returncode == 2 and "Fix: temperature=1 (the closest key)" in proc.stderr, proc.stderr
 
 
 def init_from_case(tmp_path: Path, case: str) -> list[str]:
