@@ -337,6 +337,11 @@ def init_from_case(tmp_path: Path, case: str) -> list[str]:
     if case == "yarn":
         save_tiny_llama(tmp_path / "yarn", rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4})
         return ["model=llama", f"model.init_from={tmp_path / 'yarn'}"]
+    if case == "rope contradicted":  # the Llama 3.1 preset's scaling over a Llama 3.2-scaled checkpoint
+        rope = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+        rope.update(original_max_position_embeddings=8192, rope_theta=500000.0)
+        save_tiny_llama(tmp_path / "scaled", rope_parameters=rope)
+        return ["model=llama3_8b", "model.rope_scaling.factor=8.0", f"model.init_from={tmp_path / 'scaled'}"]
     if case == "no config.json":
         save_tiny_llama(tmp_path / "bare")
         (tmp_path / "bare" / "config.json").unlink()
@@ -378,6 +383,7 @@ INIT_FROM_CASES = [
     ("config vocab", ["model.vocab_size=512 differs from", "vocab_size=256", "Fix: model.vocab_size=256"]),
     ("not a llama", ["Qwen2Config (model_type='qwen2'), not a Llama", "Fix: model=hf model.init_from="]),
     ("yarn", ["rope_type='yarn'", "Fix: model=hf model.init_from="]),
+    ("rope contradicted", ["model.rope_scaling={'rope_type': 'llama3', 'factor': 8.0,", "(config.json: {", "32.0"]),
     ("no config.json", ["holds no config.json", "Fix:"]),
     ("truncated safetensors", ["model.safetensors cannot be read as safetensors", "incomplete metadata", "Fix:"]),
     ("garbage safetensors", ["model.safetensors cannot be read as safetensors", "header too", "Fix:"]),
