@@ -20,6 +20,7 @@ from harness.config import ConfigError, register_configs
 from harness.data import build_data
 from harness.launch.check import settle_config
 from harness.models import build_model, materialize
+from harness.models.hf_weights import save_hf_weights
 from harness.overrides import override_errors
 
 from support import REPO, check_ok, losses, read_metrics, run_cli
@@ -218,7 +219,84 @@ def test_published_model_to_generated_text_with_no_hand_edits(tmp_path, cli_env)
     prompt = tokenizer("alpha beta", return_tensors="pt")
     ids = model.generate(**prompt, max_new_tokens=6, do_sample=False)
     assert ids.shape[1] > prompt.input_ids.shape[1]
-    assert tokenizer.decode(ids[0]).startswith("alpha beta")
+    greedy = tokenizer.decode(ids[0], skip_special_tokens=True)
+    assert greedy.startswith("alpha beta")
+
+    # python -m harness.generate on the run (exported on the way): the same text, greedy; on the export,
+    # sampled from a seed
+    generate = [sys.executable, "-m", "harness.generate", str(run), "prompt=alpha beta", "max_new_tokens=6"]
+    proc = subprocess.run(generate, env=cli_env, capture_output=True, text=True)
+    check_ok(proc)
+    assert proc.stdout == greedy + "\n"
+    sampled = [*generate[:3], str(out), *generate[4:], "temperature=1.5", "top_p=0.95", "seed=3"]  # the export
+    proc = subprocess.run(sampled, env=cli_env, capture_output=True, text=True)
+    check_ok(proc)
+    torch.manual_seed(3)
+    ids = model.generate(**prompt, max_new_tokens=6, do_sample=True, temperature=1.5, top_p=0.95)
+    assert proc.stdout == tokenizer.decode(ids[0], skip_special_tokens=True) + "\n"
+    proc = subprocess.run([*generate[:4], "prompt=x", "temprature=1"], env=cli_env, capture_output=True, text=True)
+    assert proc.returncode == 2 and "Fix: temperature=1 (the closest key)" in proc.stderr, proc.stderr
+
+
+def zoo_config(family: str):
+    """A tiny random config of each family the zoo covers (save_pretrained'd by the test)."""
+    from transformers import GemmaConfig, LlamaConfig, Qwen2Config
+
+    shape = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    llama3 = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0, "rope_theta": 10000.0}
+    llama3["original_max_position_embeddings"] = 8  # the batch's 16 tokens run past it
+    if family == "llama3.2":  # scaled RoPE, tied
+        config = LlamaConfig(num_key_value_heads=2, tie_word_embeddings=True, **shape)
+        config.rope_parameters = {**llama3, "factor": 32.0}
+    elif family == "llama3.1":  # scaled RoPE, untied, grouped-query attention
+        config = LlamaConfig(num_key_value_heads=1, tie_word_embeddings=False, **shape)
+        config.rope_parameters = {**llama3, "factor": 8.0}
+    elif family == "qwen2":  # attention biases
+        config = Qwen2Config(num_key_value_heads=2, tie_word_embeddings=False, **shape)
+    else:  # gemma: scaled embeddings, (1 + w) norms, GeLU MLP, tied
+        config = GemmaConfig(num_key_value_heads=1, head_dim=16, **shape)
+    return config
+
+
+ZOO = [("llama3.2", "llama"), ("llama3.1", "llama"), ("qwen2", "hf"), ("gemma", "hf")]
+
+
+@pytest.mark.parametrize("family,model", ZOO, ids=[f"{f}-model={m}" for f, m in ZOO])
+def test_model_zoo_init_from_trains_and_exports_what_transformers_computes(family, model, tmp_path):
+    """A tiny random model of each family, saved with save_pretrained: `model=<model>
+    model.init_from=<dir>` alone builds it; its first loss is transformers' loss on the
+    same batch; after one AdamW step the export (the writer harness.export uses) loads in
+    transformers and gives the harness's logits."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(zoo_config(family)).save_pretrained(tmp_path / "hf")
+    cfg = settle([*SMALL, f"model={model}", f"model.init_from={tmp_path / 'hf'}"], tmp_path)
+    ours = build_model(cfg.model, cfg.train.seq_len)
+    materialize(ours, CPU, seed=0, init_from=cfg.model.init_from)
+    tokens = torch.randint(256, (2, 17), generator=torch.Generator().manual_seed(0))
+    tokens, targets = tokens[:, :-1], tokens[:, 1:]
+
+    def their_loss(directory: Path) -> tuple[torch.Tensor, float]:
+        theirs = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits = theirs(input_ids=tokens).logits
+        return logits, torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
+
+    loss = ours(tokens, targets)
+    assert loss.item() == pytest.approx(their_loss(tmp_path / "hf")[1], rel=1e-5)
+    optimizer = torch.optim.AdamW(ours.parameters(), lr=1e-2)
+    loss.backward()
+    optimizer.step()
+    save_hf_weights(ours.eval(), tmp_path / "out")
+    logits = []
+    head = ours.output if model == "llama" else ours.causal_lm.get_output_embeddings()
+    head.register_forward_hook(lambda module, args, out: logits.append(out))
+    with torch.no_grad():
+        after = ours(tokens, targets).item()
+    expected, theirs = their_loss(tmp_path / "out")
+    torch.testing.assert_close(logits[0], expected, rtol=1e-5, atol=1e-5)
+    assert after == pytest.approx(theirs, rel=1e-5) and after < loss.item()
 
 
 def init_from_case(tmp_path: Path, case: str) -> list[str]:
@@ -259,6 +337,11 @@ def init_from_case(tmp_path: Path, case: str) -> list[str]:
     if case == "yarn":
         save_tiny_llama(tmp_path / "yarn", rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4})
         return ["model=llama", f"model.init_from={tmp_path / 'yarn'}"]
+    if case == "rope contradicted":  # the Llama 3.1 preset's scaling over a Llama 3.2-scaled checkpoint
+        rope = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+        rope.update(original_max_position_embeddings=8192, rope_theta=500000.0)
+        save_tiny_llama(tmp_path / "scaled", rope_parameters=rope)
+        return ["model=llama3_8b", "model.rope_scaling.factor=8.0", f"model.init_from={tmp_path / 'scaled'}"]
     if case == "no config.json":
         save_tiny_llama(tmp_path / "bare")
         (tmp_path / "bare" / "config.json").unlink()
@@ -300,6 +383,7 @@ INIT_FROM_CASES = [
     ("config vocab", ["model.vocab_size=512 differs from", "vocab_size=256", "Fix: model.vocab_size=256"]),
     ("not a llama", ["Qwen2Config (model_type='qwen2'), not a Llama", "Fix: model=hf model.init_from="]),
     ("yarn", ["rope_type='yarn'", "Fix: model=hf model.init_from="]),
+    ("rope contradicted", ["model.rope_scaling={'rope_type': 'llama3', 'factor': 8.0,", "(config.json: {", "32.0"]),
     ("no config.json", ["holds no config.json", "Fix:"]),
     ("truncated safetensors", ["model.safetensors cannot be read as safetensors", "incomplete metadata", "Fix:"]),
     ("garbage safetensors", ["model.safetensors cannot be read as safetensors", "header too", "Fix:"]),

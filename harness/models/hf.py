@@ -194,24 +194,41 @@ class HFCausalLM(nn.Module):
         tensors of the full shapes (the module's own may be FSDP2 shards), is
         initialised on its own with the global RNG forked and seeded, so the
         value depends neither on the layout nor on the other parameters."""
-        owner = copy.copy(module)  # its attributes (padding_idx, eps, ...) and class, for _init_weights
+        owner = self.initialised_stand_in(module, generator.initial_seed())
+        return owner._parameters[fqn.rpartition(".")[2]].detach()
+
+    def initialised_stand_in(self, module: nn.Module, seed: int) -> nn.Module:
+        """A copy of `module` (its attributes - padding_idx, eps, ... - and class, for `_init_weights`)
+        without children, holding new CPU tensors of its parameters' and buffers' shapes, initialised
+        by `_init_weights` from `seed`."""
+        owner = copy.copy(module)
         params = module._parameters.items()
         owner._parameters = {n: p if p is None else nn.Parameter(torch.empty(p.shape)) for n, p in params}
-        owner._buffers = {n: b if b is None else torch.empty(b.shape) for n, b in module._buffers.items()}
+        owner._buffers = {
+            n: b if b is None else torch.empty(b.shape, dtype=b.dtype) for n, b in module._buffers.items()
+        }
         owner._modules = {}
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(generator.initial_seed())
+            torch.manual_seed(seed)
             self.causal_lm._init_weights(owner)
-        return owner._parameters[fqn.rpartition(".")[2]].detach()
+        return owner
 
     @torch.no_grad()
     def initialize_buffers(self) -> None:
-        """Buffers `materialize` leaves empty (rotary frequencies, ...): computed, not
-        drawn, so every rank gets the same values; `_init_weights` of each module
-        that holds buffers but no parameters of its own."""
+        """Buffers `materialize` leaves empty (rotary frequencies, Gemma's embedding scale, ...):
+        computed, not drawn, so every rank gets the same values. `_init_weights` sets them: on the
+        module itself when it holds no parameters, else on a stand-in (`_init_weights` would draw
+        its parameters again), whose buffers are copied in."""
         for module in self.modules():
-            if any(True for _ in module.buffers(recurse=False)) and not any(True for _ in module.parameters(False)):
+            if not any(True for _ in module.buffers(recurse=False)):
+                continue
+            if not any(True for _ in module.parameters(recurse=False)):
                 self.causal_lm._init_weights(module)
+                continue
+            owner = self.initialised_stand_in(module, 0)
+            for name, buffer in module._buffers.items():
+                if buffer is not None:
+                    buffer.copy_(owner._buffers[name])
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.causal_lm(input_ids=tokens, use_cache=False).logits
