@@ -11,9 +11,8 @@ rank per replica group, DiLoCo), and `torchrun --max-restarts` over the same ran
 random rank (a random group's ranks, found by REPLICA_GROUP_ID) every `--every` seconds,
 and only processes carrying this bench's marker in their environment. Reported per job:
 useful tokens/s (train.steps x tokens per step over the wall time, so redone steps count
-against it), failures, steps redone (the step a job had reached when killed minus the
-step it resumed from), the heals' time, the survivors' slowest step, the final held-out
-loss.
+against it), failures, steps redone (steps the first rank of a world trained more than
+once, from its progress lines), the heals' time, the slowest step, the final held-out loss.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ import argparse
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -141,10 +141,20 @@ def read_rows(run_dir: Path) -> dict[str, list[dict]]:
     }
 
 
-def summarize(name: str, job: dict, tokens_per_step: int, steps: int) -> dict:
+def steps_trained(run_dir: Path) -> tuple[int, int]:
+    """(steps trained, distinct steps) by the first rank of each world, from its progress lines
+    (log_every=1): every attempt appends to the same log, so a step trained twice shows twice."""
+    logs = [run_dir / "train.log", *sorted((run_dir / "logs").glob("rank*.log"))]
+    trained = distinct = 0
+    for log in logs:
+        steps = re.findall(r"\] - step (\d+)/\d+ \|", log.read_text()) if log.exists() else []
+        trained, distinct = trained + len(steps), distinct + len(set(steps))
+    return trained, distinct
+
+
+def summarize(name: str, job: dict, tokens_per_step: int, steps: int, run_dir: Path) -> dict:
     rows = [row for group_rows in job["rows"].values() for row in group_rows]
-    resumed = [row["run/resumed_from_step"] for row in rows if "run/resumed_from_step" in row]
-    redone = sum(max(0, reached - back) for reached, back in zip(job["kills"], resumed))
+    trained, distinct = steps_trained(run_dir)
     heals = [row["ft/heal_s"] for row in rows if "ft/heal_s" in row]
     step_times = [row["train/step_time_s"] for row in rows if "train/step_time_s" in row and row["step"] > 1]
     evals = [row["eval/loss"] for group_rows in job["rows"].values() for row in group_rows[-3:] if "eval/loss" in row]
@@ -153,7 +163,7 @@ def summarize(name: str, job: dict, tokens_per_step: int, steps: int) -> dict:
         "wall_s": job["wall_s"],
         "useful_tokens_per_s": steps * tokens_per_step / job["wall_s"],
         "failures": len(job["kills"]),
-        "steps_redone": redone,
+        "steps_redone": trained - distinct,
         "heal_s_median": statistics.median(heals) if heals else None,
         "slowest_step_s": max(step_times) if step_times else None,
         "median_step_s": statistics.median(step_times) if step_times else None,
@@ -197,7 +207,7 @@ def measure(groups: int, args: argparse.Namespace, work: Path) -> list[dict]:
         job = run_job(
             [*cmd, f"hydra.run.dir={run_dir}"], run_dir, every, args.failures, "torchft" in name, groups, work
         )
-        lines.append({"groups": groups, **summarize(name, job, tokens_per_step, steps)})
+        lines.append({"groups": groups, **summarize(name, job, tokens_per_step, steps, run_dir)})
         print(json.dumps(lines[-1]), flush=True)
     return lines
 
