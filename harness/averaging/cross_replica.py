@@ -46,7 +46,9 @@ def setup_cross_replica(
     # not recursive: nested configs (DiLoCo's outer optimizer) are the averager's to build
     build = instantiate(cfg, _partial_=True, _recursive_=False)
     wants_model = "model" in inspect.signature(build.func).parameters  # DiLoCo: its own copy of the parameters
-    averager = build(mesh=mesh, traffic=traffic, link=link, **({"model": model} if wants_model else {}))
+    # the link only under fault tolerance: an averager of one world needs no `link` argument
+    extra = {**({"model": model} if wants_model else {}), **({"link": link} if link is not None else {})}
+    averager = build(mesh=mesh, traffic=traffic, **extra)
     ddp_state = sync_gradients_during_warmup(model, mesh, averager, traffic)
     return PostLocalSGDOptimizer(optim=optimizer, averager=averager), CrossReplica(traffic, averager, ddp_state)
 
