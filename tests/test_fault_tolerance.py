@@ -18,6 +18,7 @@ import pytest
 
 from support import TRAIN, base_env, check_ok, read_metrics
 
+TIMEOUT_S = 20  # a collective's, and a process group's setup (the worst wait a kill can cost the survivors)
 FT = [
     "fault_tolerance=torchft",
     "launcher.nproc=2",
@@ -28,6 +29,7 @@ FT = [
     "train.log_every=1",
     "train.steps=120",
     "optimizer=adamw",
+    f"fault_tolerance.timeout_s={TIMEOUT_S}",
 ]
 AVERAGERS = {
     "periodic": ["averager=periodic", "averager.warmup_steps=4", "averager.period=4"],
@@ -140,10 +142,11 @@ def test_a_killed_replica_group_heals_while_the_other_trains_on(tmp_path, averag
     assert steps == sorted(set(steps)) and steps[-1] == 120, "the survivor redid or skipped a step"
     assert all("run/resumed_from_step" not in row for row in survivor)
     assert survivor[-1]["ft/heals"] == 0 and survivor[-1]["ft/replicas"] == 2
-    # around the failure the survivor waits at most for the lighthouse to give up on the dead group
-    # (heartbeat_timeout_s, 5 s) or to see it back, not for a restart of its own
+    # around a failure the survivor waits for the lighthouse to give up on the dead group (heartbeat_timeout_s,
+    # 5 s) or to see it back; a group killed after asking for a quorum is still in it, and the survivors' new
+    # process group waits for it until timeout_s (docs/failures.md); never for a restart of its own
     slowest = max(row.get("ft/quorum_s", 0.0) for row in survivor)
-    assert slowest < 60, f"the survivor waited {slowest:.1f} s at a quorum"
+    assert slowest < TIMEOUT_S + 15, f"the survivor waited {slowest:.1f} s at a quorum"
 
     healed = read_metrics(run_dir / "replica_group_1")
     assert healed[-1]["ft/heals"] >= 1 and healed[-1]["step"] == 120
@@ -215,7 +218,8 @@ def test_an_unreachable_lighthouse_fails_within_its_timeout_naming_it(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens there once closed
-    args = [*FT, "train.steps=4", f"fault_tolerance.lighthouse={url}", "fault_tolerance.timeout_s=5"]
+    args = [a for a in FT if not a.startswith("fault_tolerance.timeout_s")]
+    args += ["train.steps=4", f"fault_tolerance.lighthouse={url}", "fault_tolerance.timeout_s=5"]
     start = time.monotonic()
     proc = subprocess.run(
         [sys.executable, str(TRAIN), *args, f"hydra.run.dir={tmp_path / 'run'}"],
