@@ -143,12 +143,12 @@ def _step_of(line: str) -> float:
 
 
 def _start_wandb(run_dir: Path, settings: WandbConf, config: dict):
+    requested = os.environ.get("WANDB_MODE") or str(settings.mode)
+    if requested == "disabled":  # before the import: wandb takes about a second to import
+        return None
     import wandb
 
-    requested = os.environ.get("WANDB_MODE") or str(settings.mode)
     for mode in dict.fromkeys([requested, "offline"]):  # requested first, then the offline fallback
-        if mode == "disabled":
-            return None
         try:
             run = wandb.init(
                 mode=mode,
