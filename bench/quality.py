@@ -83,7 +83,7 @@ SETTINGS = ["data=text", "optimizer=adamw", "train.log_every=1", "wandb.mode=dis
 SMOKE_HELP = "the smallest run through every path of this bench, on CPU, in seconds (tests/test_bench.py)"
 SMOKE = (
     "--steps 4 --warmup 2 --periods 1 --eval-batches 1 --loopback --outer avg --comm-dtypes float32,int8 "
-    "--dtype-setting avg --seeds 1,2"
+    "--dtype-setting avg --seeds 1"
 ).split()
 SMOKE_OVERRIDES = "model.n_layer=1 model.d_model=32 train.batch_size=2 train.seq_len=32 data.max_bytes=1000000".split()
 # DiLoCo's outer optimizer settings the sweep compares: SGD (Nesterov where momentum > 0), lr / momentum
@@ -95,6 +95,8 @@ OUTER = {
     "0.7/0.9": (0.7, 0.9),  # the paper's (arXiv 2311.08105)
     "1.0/0.9": (1.0, 0.9),
     "sgd 0.5": (0.5, 0.0),
+    "sgd 0.7": (0.7, 0.0),
+    "sgd 0.85": (0.85, 0.0),
 }
 
 

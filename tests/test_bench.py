@@ -63,3 +63,22 @@ def test_bench_smoke(script, tmp_path):
     output = f"STDOUT:\n{stdout[-4000:]}\nSTDERR:\n{stderr[-4000:]}"
     assert proc.returncode == 0, f"bench/{script} --smoke exited {proc.returncode}\n{output}"
     assert stdout.rstrip().endswith(f"bench/{script}: done"), f"no table, or not to its end\n{output}"
+
+
+def test_quality_compares_over_seeds_against_their_spread():
+    """The smoke runs one seed; bench/quality.py's comparison over several, by its own function."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        from quality import Result, compare
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+
+    def runs(*losses):
+        return [Result(eval_loss=x, cross_replica_bytes=1, train_s=1.0, syncs=1) for x in losses]
+
+    close = compare(runs(2.90, 3.00), runs(2.95, 3.01))
+    assert "-0.0300" in close and "smaller than the spread between seeds, +-0.0500" in close
+    assert "lower on 2 of 2 seeds" in close
+    apart = compare(runs(2.50, 2.52), runs(2.95, 3.01))
+    assert "larger than the spread" in apart
+    assert "one seed" in compare(runs(2.9), runs(3.0))

@@ -101,29 +101,6 @@ def test_hybrid_two_by_two_under_torchrun(tmp_path, cli_env):
     assert rows[-1]["train/loss"] < rows[0]["train/loss"]
 
 
-@pytest.mark.parametrize(
-    "args,error",
-    [
-        # Hydra's composition errors, refused before Hydra's run (harness.overrides)
-        (["train.stepz=3"], "harness: train.stepz=3: 'train' (TrainConf) has no key 'stepz'. Fix: train.steps=3"),
-        (["train.steps=abc"], "harness: train.steps=abc: train.steps takes an integer. Fix: train.steps=200"),
-        (["optimizer=sgdd"], "Fix: optimizer=sgd (the closest option), or one of optimizer=adam|adamw|sgd."),
-        (["train.device=gpu"], "train.device must be one of auto|cpu|cuda. Fix: one of train.device=auto|cpu|cuda."),
-        (["-m", "averager.period=2,x"], "harness: averager.period=x: averager.period takes an integer."),
-        # the harness's own checks, once Hydra has composed
-        (["+averager.perod=4"], "Unknown config key 'averager.perod'"),
-        (["sharding=full_shard"], "Fix: sharding=no_shard"),
-    ],
-)
-def test_bad_input_fails_at_startup_with_a_message(args, error, tmp_path, cli_env):
-    proc = run_cli([*args, "hydra.run.dir=run"], cli_env, tmp_path)
-    assert proc.returncode == 2, proc.stderr
-    assert error in proc.stderr, proc.stderr
-    assert f"+{args[0]}" not in proc.stderr, "suggests adding the key given (which validate refuses)"
-    assert "Traceback" not in proc.stderr
-    assert not (tmp_path / "run").exists() and not (tmp_path / "outputs").exists()
-
-
 def test_sweep_under_torchrun_is_refused_with_the_fix(tmp_path, cli_env):
     proc = run_cli(["-m", "averager.period=2,4"], cli_env, tmp_path, torchrun_nproc=2)
     assert proc.returncode != 0
