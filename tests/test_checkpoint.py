@@ -158,8 +158,7 @@ def test_checkpoints_reshard_exactly_with_the_outer_state_and_training_continues
     """Streaming DiLoCo saved by 2 replicas x 2 shards (sharded) loads into 2 x 1,
     and saved by 2 x 1 (full) into 2 x 2: the parameters, θ_outer and the outer
     optimizer state are exactly the saved ones, the data position is global, and
-    training goes on from the sharded one on the other layout. A checkpoint
-    without outer state (post-local SGD) starts θ_outer as the replicas' mean."""
+    training goes on from the sharded one on the other layout."""
     diloco = ["averager=diloco", "averager/outer_optimizer=nesterov", "averager.period=4", "averager.fragments=2"]
     diloco.append("averager.warmup_steps=2")
     hybrid = ["launcher.nproc=4", "sharding=hybrid_shard", "sharding.replicate=2"]
@@ -190,24 +189,11 @@ def test_checkpoints_reshard_exactly_with_the_outer_state_and_training_continues
     )
     assert sorted(loss_by_step(more)) == [7, 8] and steps_saved(more) == ["step_8"]
 
-    train(
-        tmp_path / "periodic",
-        cli_env,
-        *plain,
-        "averager=periodic",
-        "averager.warmup_steps=2",
-        "train.steps=5",
-        "checkpoint=full",
-    )
-    step_dir = tmp_path / "periodic" / "checkpoints" / "step_5"
-    replicas = [torch.load(step_dir / f, weights_only=True)["model"] for f in ("full.pt", "replica_1.pt")]
-    got = probe(step_dir, tmp_path / "from_periodic.pt", 2, cli_env, *plain, *diloco)
-    for key, outer in got["parts"]["cross_replica"]["params"].items():
-        torch.testing.assert_close(outer, (replicas[0][key] + replicas[1][key]) / 2, rtol=0, atol=1e-7)
-
 
 @pytest.mark.slow
 def test_diverged_replicas_load_as_their_mean_into_another_replica_count(tmp_path, cli_env):
+    """Post-local SGD's diverged replicas load as their mean into one replica, and as
+    θ_outer into DiLoCo (a checkpoint without outer state)."""
     run = tmp_path / "run"
     train(run, cli_env, *LAYOUTS["2x1"], "train.steps=5", "checkpoint=full")
     step_dir = run / "checkpoints" / "step_5"  # steps 4-5 were local: the replicas differ
@@ -217,6 +203,10 @@ def test_diverged_replicas_load_as_their_mean_into_another_replica_count(tmp_pat
     got = probe(step_dir, tmp_path / "probe.pt", 2, cli_env, "sharding=full_shard", "averager=none")
     for key in r0:
         torch.testing.assert_close(got["model"][key], (r0[key] + r1[key]) / 2, rtol=0, atol=1e-7)
+    diloco = ["sharding=no_shard", "averager=diloco", "averager.period=4", "averager.warmup_steps=2"]
+    got = probe(step_dir, tmp_path / "diloco.pt", 2, cli_env, *diloco)
+    for key, outer in got["parts"]["cross_replica"]["params"].items():
+        torch.testing.assert_close(outer, (r0[key] + r1[key]) / 2, rtol=0, atol=1e-7)
 
 
 @pytest.mark.slow
