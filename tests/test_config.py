@@ -252,7 +252,12 @@ RULES = [
         0,
         ["averager.outer_optimizer._target_='torch.nn.Linear' is not a torch.optim.Optimizer", "sgd|nesterov|adamw"],
     ),
-    (["averager=diloco", "averager.outer_optimizer.lr=0"], 2, 0, ["averager.outer_optimizer.lr=0", "0.5"]),
+    (
+        ["averager=diloco", "averager.outer_optimizer.lr=0"],
+        2,
+        0,
+        ["averager.outer_optimizer.lr=0", "lr=0.85 (the default)"],
+    ),
     (["averager=diloco", "averager.period=0"], 2, 0, ["averager.period=0"]),
     (["train.eval_every=-1"], 2, 0, ["train.eval_every=-1", "train.eval_every=0"]),
     (["optimizer.in_backward=true"], 2, 0, ["train.grad_clip=1.0", "Fix: train.grad_clip=0"]),

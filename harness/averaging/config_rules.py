@@ -1,15 +1,23 @@
 """The averagers' config rules (their `config_errors`, which `validate` asks
 before any process group exists): why a config cannot build one, each
-naming the key, its value and the fix. Pure: no process group, no file."""
+naming the key, its value and the fix. Pure: no process group, no file of
+the run's."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from harness.components import target_class
 from harness.models import build_model
 from harness.optim import HARNESS_KEYS
+
+
+def default_outer_lr() -> float:
+    """DiLoCo's default outer learning rate, where it is stated: averager=diloco's default outer optimizer."""
+    return OmegaConf.load(Path(__file__).parents[2] / "conf" / "averager" / "outer_optimizer" / "sgd.yaml").lr
 
 
 def periodic_errors(cfg: DictConfig, replicas: int) -> list[str]:
@@ -69,7 +77,7 @@ def diloco_errors(cfg: DictConfig, replicas: int) -> list[str]:
         if not isinstance(lr, (int, float)) or lr <= 0:
             errors.append(
                 f"averager.outer_optimizer.lr={lr!r} must be a positive number. "
-                "Fix: averager.outer_optimizer.lr=0.5 (the default)."
+                f"Fix: averager.outer_optimizer.lr={default_outer_lr()} (the default)."
             )
     errors += _overlap_errors(avg)
     f = avg.fragments

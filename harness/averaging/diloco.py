@@ -5,7 +5,7 @@ Every rank keeps an *outer* copy of its local shards, `θ_outer`, equal on every
 replica. At a sync, after the local step, each rank forms the pseudo-gradient
 `Δ = θ_outer - θ_local`, averages it over the replicate group, takes one step
 of the outer optimizer (any `torch.optim` class; the paper's is Nesterov SGD,
-lr 0.7, momentum 0.9, the default here plain SGD at lr 0.5: docs/diloco.md)
+lr 0.7, momentum 0.9, the default here plain SGD at lr 0.85: docs/diloco.md)
 with `Δ` as the gradient, and sets `θ_local ← θ_outer`.
 With outer SGD at lr 1 and no momentum this is post-local SGD's average.
 
