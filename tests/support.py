@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -37,9 +39,108 @@ def base_env(tmp_path: Path) -> dict:
     return env
 
 
+# Variables the interpreter or an import reads at start: a command whose env sets one of them
+# differently from the test process runs in a fresh interpreter, as does every command when
+# HARNESS_TEST_FRESH=1 (the suite as a user's shell would run it, about a third slower).
+STARTUP_VARS = ("PYTHON", "LD_", "OMP_", "MKL_", "CUDA_", "TORCH_", "NCCL_", "GLOO_")
+
+# The zygote: a process that has imported what train.py imports (torch, Hydra, the harness)
+# and forks one child per command, which runs the script as `python script args` would,
+# in its own session, cwd, environment, argv and stdout/stderr files. Every command of the
+# suite otherwise spends 2-3 s of its 6-8 s importing the same modules again.
+ZYGOTE = r"""
+import os, pickle, runpy, signal, sys, time, traceback
+sys.path.insert(0, os.environ["HARNESS_REPO"])
+import train  # noqa: F401  its imports, and registering the configs
+sys.path.pop(0)
+requests, replies = sys.stdin.buffer, sys.stdout.buffer
+while True:
+    try:
+        script, args, env, cwd, out, err, timeout = pickle.load(requests)
+    except EOFError:
+        break
+    sys.stdout.flush(); sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.setsid()
+            os.chdir(cwd)
+            os.environ.clear(); os.environ.update(env)
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            os.dup2(os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 1)
+            os.dup2(os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+            sys.argv = [script, *args]
+            sys.path[0] = os.path.dirname(script)
+            runpy.run_path(script, run_name="__main__")
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            if not isinstance(e.code, (int, type(None))):
+                print(e.code, file=sys.stderr)
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush(); sys.stderr.flush()
+            os._exit(code)
+    deadline, status = time.monotonic() + timeout, None
+    while status is None:
+        done, wait_status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            status = os.waitstatus_to_exitcode(wait_status)
+        elif time.monotonic() > deadline:
+            os.killpg(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            status = "timeout"
+        else:
+            time.sleep(0.02)
+    pickle.dump(status, replies); replies.flush()
+"""
+_zygote: subprocess.Popen | None = None
+
+
+def _run_forked(cmd: list[str], env: dict, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    global _zygote
+    if _zygote is None or _zygote.poll() is not None:
+        _zygote = subprocess.Popen(
+            [sys.executable, "-c", ZYGOTE],
+            env={**os.environ, "HARNESS_REPO": str(REPO), "PYTHONUNBUFFERED": "1"},
+            cwd=REPO,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
+    with tempfile.TemporaryDirectory(prefix="harness-cli-") as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        pickle.dump((cmd[1], cmd[2:], env, str(cwd), str(out), str(err), timeout), _zygote.stdin)
+        _zygote.stdin.flush()
+        status = pickle.load(_zygote.stdout)
+        stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
+    if status == "timeout":
+        raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
+    return subprocess.CompletedProcess(cmd, status, stdout, stderr)
+
+
+def _needs_fresh_interpreter(env: dict) -> bool:
+    if os.environ.get("HARNESS_TEST_FRESH") == "1":
+        return True
+    keys = {k for k in {*env, *os.environ} if k.startswith(STARTUP_VARS) and k != "PYTHONUNBUFFERED"}
+    return any(env.get(k) != os.environ.get(k) for k in keys)
+
+
 def run_cli(
-    args: list[str], env: dict, cwd: Path, torchrun_nproc: int | None = None, script: Path = TRAIN, timeout: int = 240
+    args: list[str],
+    env: dict,
+    cwd: Path,
+    torchrun_nproc: int | None = None,
+    script: Path = TRAIN,
+    timeout: int = 240,
+    fresh: bool = False,
 ) -> subprocess.CompletedProcess:
+    """`python script args` (or under `torchrun`) in `cwd` with `env`. Without torchrun the
+    command is forked from the zygote above unless `fresh` (a test of the interpreter's own
+    start, e.g. an import that fails) or its environment needs a fresh interpreter."""
     if torchrun_nproc:
         cmd = [
             sys.executable,
@@ -56,6 +157,8 @@ def run_cli(
         ]
     else:
         cmd = [sys.executable, str(script), *args]
+        if not fresh and not _needs_fresh_interpreter(env):
+            return _run_forked(cmd, env, cwd, timeout)
     return subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 

@@ -97,7 +97,7 @@ def test_bad_input_fails_clearly_and_writes_nothing(name, overrides, expected, t
     if not any(a.startswith("hydra.run.dir=") for a in args):
         args.append(f"hydra.run.dir={run}")
     flags = [a for a in args if a.startswith("-")]  # -m before the overrides, as Hydra's parser wants it
-    proc = run_cli([*flags, *BASE, *(a for a in args if a not in flags)], cli_env, tmp_path)
+    proc = run_cli([*flags, *BASE, *(a for a in args if a not in flags)], cli_env, tmp_path, fresh=True)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out
     for text in expected:
