@@ -90,6 +90,7 @@ SMOKE_HELP = "the smallest run through every path of this bench, on CPU, in seco
 SMOKE = (
     "--part smoke --layouts hybrid --periods 1 --steps 3 --warmup 2 --repeats 1 "
     "--overlap-on loopback --overlap-period 8 --fragments 2 --sync-delay 2 --overlap-steps 10 "
+    "--overlap-comm-dtypes float32 "
     "--model model.d_model=32,model.hidden=64,model.n_layer=2"
 ).split()
 LINK_LAYOUT = "2x2 hybrid"
