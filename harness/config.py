@@ -416,7 +416,9 @@ class FaultToleranceConf:
     replica_id: Optional[int] = None  # this replica group; null: REPLICA_GROUP_ID (torchft's launcher convention)
     quorum_timeout_s: float = 300.0  # a quorum (at most once a step) fails after this; covers a peer's restart
     timeout_s: float = 60.0  # a cross-replica collective or a heal's transfer fails after this
-    heartbeat_timeout_s: float = 5.0  # the lighthouse started here counts a silent group as gone after this
+    # the lighthouse started here counts a silent group as gone after this (its Manager beats every 0.1 s);
+    # a group's death costs its peers up to this at their next quorum (torchft's lighthouse: 5 s)
+    heartbeat_timeout_s: float = 1.0
     join_timeout_s: float = 10.0  # ... and waits this long for a live group that has not asked for the quorum
     max_restarts: int = 3  # restarts of each replica group the launcher allows (torchrun: its --max-restarts)
 
