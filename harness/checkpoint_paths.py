@@ -1,7 +1,8 @@
 """Where a run's checkpoints are, and which one it resumes from. Outside the
 checkpoint package, which loads torch.distributed and `harness.job`, so that
 `harness.plan` (which `harness.job` imports) can look up the checkpoint a run
-resumes from without an import cycle. The files inside a checkpoint:
+resumes from without an import cycle. Under `fault_tolerance=torchft` each
+replica group keeps its own checkpoints (`group_checkpoint_config`). The files inside a checkpoint:
 `harness.checkpoint.files`.
 """
 
@@ -42,3 +43,32 @@ def resume_path(cfg: DictConfig, run_dir: Path) -> Path | None:
         done = complete_checkpoints(path)
         return done[-1] if done else path  # read_meta names what is missing
     return path
+
+
+def group_dir(run_dir: Path, replica_id: int) -> Path:
+    """A replica group's own outputs under fault_tolerance=torchft: metrics, W&B and TensorBoard runs, checkpoints."""
+    return run_dir / f"replica_group_{replica_id}"
+
+
+def group_checkpoint_config(cfg: DictConfig, replica_id: int) -> DictConfig:
+    """`checkpoint` as replica group `replica_id` uses it: `checkpoint.dir`, when set, gets the group's
+    suffix (else its checkpoints go to `<its group_dir>/checkpoints`), since a group saves with its own
+    ranks only and no group waits for another."""
+    group = cfg.copy()
+    if cfg.dir:
+        group.dir = str(Path(os.path.expanduser(cfg.dir)) / f"replica_group_{replica_id}")
+    return group
+
+
+def run_resume_path(cfg: DictConfig, run_dir: Path) -> Path | None:
+    """The checkpoint the run resumes from, for what is decided before any rank starts (nothing
+    left to train, the resume warnings, the architecture). Under fault_tolerance=torchft each
+    group resumes its own newest one and the first quorum heals the groups behind from the
+    furthest, so the run resumes where its furthest group is."""
+    if cfg.get("fault_tolerance") is None or cfg.fault_tolerance.mode != "torchft" or cfg.checkpoint.resume != "auto":
+        return resume_path(cfg.checkpoint, run_dir)
+    root = Path(os.path.expanduser(cfg.checkpoint.dir)) if cfg.checkpoint.dir else run_dir
+    groups = [int(m.group(1)) for p in root.glob("replica_group_*") if (m := re.match(r"replica_group_(\d+)$", p.name))]
+    found = [resume_path(group_checkpoint_config(cfg.checkpoint, r), group_dir(run_dir, r)) for r in groups]
+    found = [p for p in found if p is not None]
+    return max(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)), default=None)

@@ -119,16 +119,15 @@ def quiet_torchft() -> None:
 
 def group_outputs(cfg: DictConfig, run_dir: Path, replica_id: int) -> tuple[Path, Path | None]:
     """A replica group's own outputs: `<run dir>/replica_group_<r>/` holds its metrics.jsonl,
-    W&B and TensorBoard runs and checkpoints (a group writes with its own world's ranks only,
-    and a dead group must not stop the others' logging or saving); returns that directory and
-    the checkpoint the group resumes from. `cfg.checkpoint.dir`, when set, gets the same suffix."""
-    from harness.checkpoint_paths import resume_path
+    W&B and TensorBoard runs and checkpoints (a dead group must not stop the others' logging
+    or saving); returns that directory and the checkpoint the group resumes from, and points
+    `cfg.checkpoint` at the group's checkpoints."""
+    from harness.checkpoint_paths import group_checkpoint_config, group_dir, resume_path
 
-    name = f"replica_group_{replica_id}"
-    (run_dir / name).mkdir(exist_ok=True)
-    if cfg.checkpoint.dir:
-        cfg.checkpoint.dir = str(Path(os.path.expanduser(cfg.checkpoint.dir)) / name)
-    return run_dir / name, resume_path(cfg.checkpoint, run_dir / name)
+    cfg.checkpoint = group_checkpoint_config(cfg.checkpoint, replica_id)
+    outputs = group_dir(run_dir, replica_id)
+    outputs.mkdir(exist_ok=True)
+    return outputs, resume_path(cfg.checkpoint, outputs)
 
 
 def torchrun_groups(cfg: DictConfig) -> tuple[int, int]:

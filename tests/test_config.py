@@ -454,21 +454,32 @@ def test_resume_checks_name_the_path_and_the_fix(name, overrides, expected, tmp_
     assert "Fix:" in str(info.value)
 
 
-SCHEDULE_RESUMES = [  # (lr_scheduler, train.steps of the resumed run, whether it warns)
-    ("warmup_cosine", 60, True),
-    ("wsd", 60, True),
-    ("warmup_cosine", 40, False),  # the same length
-    ("constant", 60, False),  # not a function of the length
+SCHEDULE_RESUMES = [  # (lr_scheduler, train.steps of the resumed run, whether it warns, replica groups' checkpoints)
+    ("warmup_cosine", 60, True, False),
+    ("wsd", 60, True, False),
+    ("warmup_cosine", 40, False, False),  # the same length
+    ("constant", 60, False, False),  # not a function of the length
+    ("warmup_cosine", 60, True, True),  # fault_tolerance=torchft: each group's own, the furthest counts
+    ("constant", 40, False, True),
 ]
 
 
-@pytest.mark.parametrize("schedule,steps,warns", SCHEDULE_RESUMES, ids=[f"{s}-{n}" for s, n, _ in SCHEDULE_RESUMES])
+@pytest.mark.parametrize(
+    "schedule,steps,warns,groups",
+    SCHEDULE_RESUMES,
+    ids=[f"{s}-{n}" + ("-groups" if g else "") for s, n, _, g in SCHEDULE_RESUMES],
+)
 def test_a_resume_that_changes_the_schedules_length_warns_and_a_finished_run_has_nothing_to_train(
-    schedule, steps, warns, tmp_path
+    schedule, steps, warns, groups, tmp_path
 ):
     run = tmp_path / "run"
-    fake_checkpoint(run / "checkpoints" / "step_40", 40, config={"train": {"steps": 40}})
-    cfg = make(f"lr_scheduler={schedule}", f"train.steps={steps}", "checkpoint=sharded")
+    ft = ["fault_tolerance=torchft", "sharding=no_shard"] if groups else []
+    if groups:  # group 1 is behind (it died late and was not healed before the run ended)
+        fake_checkpoint(run / "replica_group_1" / "checkpoints" / "step_24", 24, config={"train": {"steps": 40}})
+    fake_checkpoint(
+        run / ("replica_group_0" if groups else "") / "checkpoints" / "step_40", 40, config={"train": {"steps": 40}}
+    )
+    cfg = make(f"lr_scheduler={schedule}", f"train.steps={steps}", "checkpoint=sharded", *ft)
     plan = plan_run(cfg, 2, 2, run)
     warnings = resume_warnings(cfg, plan)
     if warns:
@@ -480,7 +491,7 @@ def test_a_resume_that_changes_the_schedules_length_warns_and_a_finished_run_has
     assert (done is None) == (steps > 40)
     if steps == 40:
         assert done.startswith("already complete at step 40 of 40; nothing to train")
-    less = make(f"lr_scheduler={schedule}", "train.steps=30", "checkpoint=sharded")
+    less = make(f"lr_scheduler={schedule}", "train.steps=30", "checkpoint=sharded", *ft)
     assert "at step 40, past train.steps=30; nothing to train" in nothing_to_train(less, plan_run(less, 2, 2, run))
 
 

@@ -11,7 +11,8 @@ from pathlib import Path
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from harness.checkpoint import CheckpointError, read_meta, resume_path
+from harness.checkpoint import CheckpointError, read_meta
+from harness.checkpoint_paths import run_resume_path
 from harness.config import ConfigError, NoAveragerConf
 from harness.dist import print_once, resolve_device, under_torchrun, visible_gpus
 from harness.launch.logs import setup_logging
@@ -83,7 +84,7 @@ def model_from_init_from(cfg: DictConfig, run_dir: Path, explicit: set[str]) -> 
     a resume from the checkpoint, whose run took it from there; returns what was read, for the log."""
     if cfg.model.get("init_from") is None:
         return None
-    path = resume_path(cfg.checkpoint, run_dir)
+    path = run_resume_path(cfg, run_dir)
     if path is None:
         return adopt_init_from(cfg.model, explicit)
     try:
