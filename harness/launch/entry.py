@@ -35,11 +35,14 @@ def start(cfg: DictConfig) -> dict | None:
     world_size = int(os.environ["WORLD_SIZE"]) if torchrun else local_rank_count(cfg)
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if torchrun else world_size
     try:
-        replica_id = None
+        replica_id, mesh_rank = None, rank
         if torchrun and fault_tolerance.enabled(cfg):  # this torchrun is one replica group of the mesh
             replica_id, groups = fault_tolerance.torchrun_groups(cfg)
+            # as a rank of the whole mesh it logs and writes .hydra/ as the launcher's would: only group 0's first
+            # rank to train.log and .hydra/, the others to logs/rank<N>.log
+            mesh_rank = replica_id * world_size + rank
             world_size *= groups
-        plan = check_config(cfg, world_size, local_world_size, run_dir, rank)
+        plan = check_config(cfg, world_size, local_world_size, run_dir, mesh_rank)
         if replica_id is not None:
             fault_tolerance.check_group_world(plan, world_size // groups)
             plan = dataclasses.replace(plan, replica_id=replica_id)
