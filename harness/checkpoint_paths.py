@@ -2,8 +2,8 @@
 checkpoint package, which loads torch.distributed and `harness.job`, so that
 `harness.plan` (which `harness.job` imports) can look up the checkpoint a run
 resumes from without an import cycle. Under `fault_tolerance=torchft` each
-replica group keeps its own checkpoints (`group_checkpoint_config`). The files inside a checkpoint:
-`harness.checkpoint.files`.
+replica group keeps its own (`group_checkpoint_config`). The files inside a
+checkpoint: `harness.checkpoint.files`.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 META = "meta.json"  # written last: a step_<N> directory without it is not a checkpoint
+GROUP_DIR = re.compile(r"^replica_group_(\d+)$")
 
 
 def checkpoint_dir(cfg: DictConfig, run_dir: Path) -> Path:
@@ -51,24 +52,23 @@ def group_dir(run_dir: Path, replica_id: int) -> Path:
 
 
 def group_checkpoint_config(cfg: DictConfig, replica_id: int) -> DictConfig:
-    """`checkpoint` as replica group `replica_id` uses it: `checkpoint.dir`, when set, gets the group's
-    suffix (else its checkpoints go to `<its group_dir>/checkpoints`), since a group saves with its own
-    ranks only and no group waits for another."""
+    """`checkpoint` as replica group `replica_id` uses it: a group saves with its own ranks only and no
+    group waits for another, so its checkpoints go to `<its group_dir>/checkpoints`, or to
+    `checkpoint.dir` with the same suffix."""
     group = cfg.copy()
     if cfg.dir:
-        group.dir = str(Path(os.path.expanduser(cfg.dir)) / f"replica_group_{replica_id}")
+        group.dir = str(group_dir(Path(os.path.expanduser(cfg.dir)), replica_id))
     return group
 
 
-def run_resume_path(cfg: DictConfig, run_dir: Path) -> Path | None:
+def run_resume_path(cfg: DictConfig, run_dir: Path, replica_groups: bool) -> Path | None:
     """The checkpoint the run resumes from, for what is decided before any rank starts (nothing
-    left to train, the resume warnings, the architecture). Under fault_tolerance=torchft each
-    group resumes its own newest one and the first quorum heals the groups behind from the
-    furthest, so the run resumes where its furthest group is."""
-    if cfg.get("fault_tolerance") is None or cfg.fault_tolerance.mode != "torchft" or cfg.checkpoint.resume != "auto":
-        return resume_path(cfg.checkpoint, run_dir)
-    root = Path(os.path.expanduser(cfg.checkpoint.dir)) if cfg.checkpoint.dir else run_dir
-    groups = [int(m.group(1)) for p in root.glob("replica_group_*") if (m := re.match(r"replica_group_(\d+)$", p.name))]
-    found = [resume_path(group_checkpoint_config(cfg.checkpoint, r), group_dir(run_dir, r)) for r in groups]
-    found = [p for p in found if p is not None]
-    return max(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)), default=None)
+    left to train, the resume warnings, the architecture). With `replica_groups`
+    (fault_tolerance=torchft) each group resumes its own newest one and the first quorum heals the
+    groups behind from the furthest, so the run resumes where its furthest group is."""
+    if not replica_groups or cfg.resume != "auto":
+        return resume_path(cfg, run_dir)
+    root = Path(os.path.expanduser(cfg.dir)) if cfg.dir else run_dir
+    groups = [int(m.group(1)) for p in root.glob("replica_group_*") if (m := GROUP_DIR.match(p.name))]
+    found = [resume_path(group_checkpoint_config(cfg, r), group_dir(run_dir, r)) for r in groups]
+    return max(filter(None, found), key=lambda p: int(STEP_DIR.match(p.name).group(1)), default=None)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from harness import fault_tolerance
 from harness.checkpoint_paths import run_resume_path
 from harness.mesh import mesh_shape
 
@@ -50,5 +51,5 @@ def plan_run(cfg: DictConfig, world_size: int, local_world_size: int, run_dir: P
         replicate=replicate,
         shard=shard,
         averaging=averager_configured(cfg),
-        resume_from=run_resume_path(cfg, run_dir),
+        resume_from=run_resume_path(cfg.checkpoint, run_dir, fault_tolerance.enabled(cfg)),
     )

@@ -11,6 +11,7 @@ from pathlib import Path
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from harness import fault_tolerance
 from harness.checkpoint import CheckpointError, read_meta
 from harness.checkpoint_paths import run_resume_path
 from harness.config import ConfigError, NoAveragerConf
@@ -84,7 +85,7 @@ def model_from_init_from(cfg: DictConfig, run_dir: Path, explicit: set[str]) -> 
     a resume from the checkpoint, whose run took it from there; returns what was read, for the log."""
     if cfg.model.get("init_from") is None:
         return None
-    path = run_resume_path(cfg, run_dir)
+    path = run_resume_path(cfg.checkpoint, run_dir, fault_tolerance.enabled(cfg))
     if path is None:
         return adopt_init_from(cfg.model, explicit)
     try:
