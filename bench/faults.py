@@ -291,9 +291,9 @@ def report(lines: list[dict]) -> None:
         losses = [line["eval_loss"] for line in (clean, *seeds)]
         if len(losses) > 1 and faulty["eval_loss"] is not None:
             low, high = min(losses), max(losses)
-            inside = "inside" if low <= faulty["eval_loss"] <= high else "outside"
+            where = "below" if faulty["eval_loss"] < low else "inside" if faulty["eval_loss"] <= high else "above"
             print(
-                f"{groups} groups: held-out loss with failures {faulty['eval_loss']:.4f}, {inside} the failure-free "
+                f"{groups} groups: held-out loss with failures {faulty['eval_loss']:.4f}, {where} the failure-free "
                 f"runs' spread over {len(losses)} seeds ({low:.4f} to {high:.4f})"
             )
 
