@@ -46,14 +46,19 @@ AVERAGERS = {
 }
 
 
-def group_ranks(group: int) -> list[int]:
+KILL_SCOPE = "HARNESS_TEST_KILL_SCOPE"  # in the environment of this test's run only
+
+
+def group_ranks(group: int, scope: Path) -> list[int]:
     """Pids of the training ranks of replica group `group`, found as an external fault injector
     would: by REPLICA_GROUP_ID in their environment (/proc/<pid>/environ); the ranks are the
-    processes that have it and whose parent (the group's supervisor) has it too."""
+    processes that have it and whose parent (the group's supervisor) has it too. Only the run
+    started with KILL_SCOPE=`scope`: other tests' and benches' replica groups run alongside."""
+    wanted = {f"REPLICA_GROUP_ID={group}".encode(), f"{KILL_SCOPE}={scope}".encode()}
 
     def in_group(pid: str) -> bool:
         try:
-            return f"REPLICA_GROUP_ID={group}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            return wanted <= set(Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
         except OSError:
             return False
 
@@ -109,7 +114,7 @@ def test_a_killed_replica_group_heals_while_the_other_trains_on(tmp_path, averag
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, str(TRAIN), *FT, *AVERAGERS[averager], f"hydra.run.dir={run_dir}"],
-        env={**base_env(tmp_path), "HARNESS_HEAL_DIGEST": "1"},
+        env={**base_env(tmp_path), "HARNESS_HEAL_DIGEST": "1", KILL_SCOPE: str(tmp_path)},
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -119,13 +124,13 @@ def test_a_killed_replica_group_heals_while_the_other_trains_on(tmp_path, averag
         wait_for_step(run_dir / "replica_group_1" / "metrics.jsonl", 12, proc, timeout=240)
         if averager == "streaming_diloco":
             wait_for_a_save(run_dir / "replica_group_1" / "checkpoints", proc, timeout=30)
-        victims = group_ranks(1)
+        victims = group_ranks(1, tmp_path)
         assert victims, "no rank of replica group 1 found by REPLICA_GROUP_ID"
         for pid in victims:
             os.kill(pid, signal.SIGKILL)
         if averager == "periodic":  # and again while the restarted group joins: built, at its quorum and heal
             wait_for_line(run_dir / "logs" / "rank1.log", "replicas:", 2, proc, timeout=240)
-            for pid in group_ranks(1):
+            for pid in group_ranks(1, tmp_path):
                 os.kill(pid, signal.SIGKILL)
         stdout, stderr = proc.communicate(timeout=600)
     finally:
