@@ -98,6 +98,9 @@ def start_replica_groups(cfg: DictConfig, run_dir: Path, plan: RunPlan) -> str |
 def supervise(cfg: DictConfig, run_dir: Path, plan: RunPlan) -> int:
     """One replica group's supervisor: start its ranks, and again when one dies, up to max_restarts times."""
     replica, restarts, method = plan.replica_id, cfg.fault_tolerance.max_restarts, start_method(cfg)
+    # a rank imports torch._dynamo lazily when it first initialises a tensor on the meta device (0.4-0.6 s);
+    # imported here, every forked rank of every restart has it already
+    import torch._dynamo  # noqa: F401
     for attempt in range(restarts + 1):
         env = {"TORCHELASTIC_RESTART_COUNT": str(attempt)}
         failures = run_local_ranks(rank_entrypoint, (cfg, run_dir, plan), plan.shard, method, env)
