@@ -101,6 +101,7 @@ def supervise(cfg: DictConfig, run_dir: Path, plan: RunPlan) -> int:
     # a rank imports torch._dynamo lazily when it first initialises a tensor on the meta device (0.4-0.6 s);
     # imported here, every forked rank of every restart has it already
     import torch._dynamo  # noqa: F401
+
     for attempt in range(restarts + 1):
         env = {"TORCHELASTIC_RESTART_COUNT": str(attempt)}
         failures = run_local_ranks(rank_entrypoint, (cfg, run_dir, plan), plan.shard, method, env)
