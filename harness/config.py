@@ -416,14 +416,14 @@ class FaultToleranceConf:
     replica_id: Optional[int] = None  # this replica group; null: REPLICA_GROUP_ID (torchft's launcher convention)
     quorum_timeout_s: float = 300.0  # a quorum (at most once a step) fails after this; covers a peer's restart
     timeout_s: float = 60.0  # a cross-replica collective or a heal's transfer fails after this
-    # the lighthouse started here counts a silent group as gone after this (its Manager beats every 0.1 s);
-    # a group's death costs its peers up to this at their next quorum, less if the group's restart asks
-    # for it sooner (torchft's lighthouse: 5 s)
-    heartbeat_timeout_s: float = 1.0
-    # ... and, once more than half the beating groups have asked, waits this long for the rest; only a
-    # quorum whose members change waits (one with every previous member forms at once): after a failure,
-    # the wait for the dead group (torchft's lighthouse: 60 s)
-    join_timeout_s: float = 0.2
+    # the lighthouse started here counts a silent group as gone after this (its Manager beats every 0.1 s
+    # from its own threads): a group's death costs its peers up to this at their next quorum (torchft's
+    # lighthouse: 5 s)
+    heartbeat_timeout_s: float = 0.5
+    # ... and, once more than half the beating groups have asked, waits this long for the rest (a quorum
+    # whose members are the last one's forms at once): a live group late at a sync is waited for, not
+    # left out and healed (torchft's lighthouse: 60 s)
+    join_timeout_s: float = 10.0
     max_restarts: int = 3  # restarts of each replica group the launcher allows (torchrun: its --max-restarts)
 
 
