@@ -9,9 +9,10 @@ Each job is the real CLI in a subprocess: `python train.py fault_tolerance=torch
 rank per replica group, DiLoCo), and `torchrun --max-restarts` over the same ranks with
 `checkpoint=sharded` every few steps. A fault injector in this process SIGKILLs one
 random rank (a random group's ranks, found by REPLICA_GROUP_ID) every `--every` seconds
-of the job's wall time until it ends (or `--failures` times), and only processes carrying
-this bench's marker in their environment: each job runs at the same failure rate, so a
-job that recovers slowly also sees more failures. Reported per job:
+of the job's wall time until one of its worlds has trained every step (or `--failures`
+times), and only processes carrying this bench's marker in their environment: each job
+runs at the same failure rate, so a job that recovers slowly also sees more failures.
+Reported per job:
 useful tokens/s (the tokens the final model trained on, over the wall time: a step redone
 counts once, and a killed group's steps after its last sync, which died with it, and the
 steps it missed while down, which no group trains, count not at all), failures, steps
@@ -106,7 +107,14 @@ def reached_step(run_dir: Path) -> int:
 
 
 def run_job(
-    cmd: list[str], run_dir: Path, every: float | None, failures: int, fault_tolerant: bool, groups: int, cwd: Path
+    cmd: list[str],
+    run_dir: Path,
+    every: float | None,
+    failures: int,
+    fault_tolerant: bool,
+    groups: int,
+    cwd: Path,
+    steps: int,
 ) -> dict:
     marker = uuid.uuid4().hex
     env = {**os.environ, MARKER: marker, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
@@ -119,8 +127,11 @@ def run_job(
 
     def inject() -> None:
         while len(kills) < failures and not stop.wait(every):
-            if reached_step(run_dir) == 0:  # not training yet: wait for the first step
+            reached = reached_step(run_dir)
+            if reached == 0:  # not training yet: wait for the first step
                 continue
+            if reached >= steps:  # a world has finished: its peers have no one left to heal from
+                return
             pids = victims(marker, fault_tolerant, groups)
             if pids:
                 kills.append(reached_step(run_dir))
@@ -245,6 +256,7 @@ def measure(groups: int, args: argparse.Namespace, work: Path) -> list[dict]:
                 "torchft" in name,
                 groups,
                 work,
+                steps,
             )
             figures = summarize(name, job, batch * seq, groups, args.period, run_dir)
             lines.append({"groups": groups, "seed": seed, **figures})
