@@ -134,7 +134,7 @@ def run_job(
                 return
             pids = victims(marker, fault_tolerant, groups)
             if pids:
-                kills.append(reached_step(run_dir))
+                kills.append(reached)
                 for pid in pids:
                     try:
                         os.kill(pid, 9)
