@@ -101,11 +101,21 @@ def config_errors(cfg: DictConfig, replicas: int | None) -> list[str]:
             "which a quorum that changes at run time cannot keep. Fix: averager=periodic or averager=diloco."
         )
     for key in ("quorum_timeout_s", "timeout_s", "heartbeat_timeout_s", "join_timeout_s"):
-        if not ft[key] > 0:
+        if ft[key] is not None and not ft[key] > 0:
             errors.append(f"fault_tolerance.{key}={ft[key]} must be positive. Fix: a number of seconds, e.g. 60.")
     if ft.max_restarts < 0:
         errors.append(f"fault_tolerance.max_restarts={ft.max_restarts} must be >= 0. Fix: 0 for no restarts.")
     return errors
+
+
+def join_timeout_s(ft: DictConfig, groups: int) -> float:
+    """How long the lighthouse waits for late groups once a quorum is possible (`fault_tolerance.join_timeout_s`).
+    A quorum needs more than half of the groups that beat: with 2 groups a live one is never left out for
+    being late, so a short wait only spares the survivor the dead group's heartbeat timeout after a failure
+    (bench/faults.py); with 3 or more a short wait leaves late live groups out (docs/failures.md)."""
+    if ft.join_timeout_s is not None:
+        return ft.join_timeout_s
+    return 0.2 if groups == 2 else 10.0
 
 
 def quiet_torchft() -> None:

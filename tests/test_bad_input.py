@@ -125,6 +125,11 @@ SETTLED = [
         ["fault_tolerance=torchft", "sharding=no_shard", "fault_tolerance.min_replicas=3"],
         ["fault_tolerance.min_replicas=3 must be between 1 and the 2 replica groups", "Fix:"],
     ),
+    (
+        "ft join timeout not positive",
+        ["fault_tolerance=torchft", "sharding=no_shard", "fault_tolerance.join_timeout_s=0"],
+        ["fault_tolerance.join_timeout_s=0", "must be positive", "Fix:"],
+    ),
 ]
 
 

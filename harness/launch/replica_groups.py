@@ -21,7 +21,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from harness.fault_tolerance import LIGHTHOUSE_ENV, NUM_REPLICA_GROUPS, REPLICA_GROUP_ID, quiet_torchft
+from harness.fault_tolerance import LIGHTHOUSE_ENV, NUM_REPLICA_GROUPS, REPLICA_GROUP_ID, join_timeout_s, quiet_torchft
 from harness.launch.check import start_method
 from harness.launch.ranks import failure_summary, rank_entrypoint, run_local_ranks
 from harness.plan import RunPlan
@@ -47,7 +47,7 @@ def start_replica_groups(cfg: DictConfig, run_dir: Path, plan: RunPlan) -> str |
         lighthouse = LighthouseServer(
             bind="[::]:0",
             min_replicas=ft.min_replicas,
-            join_timeout_ms=int(ft.join_timeout_s * 1000),
+            join_timeout_ms=int(join_timeout_s(ft, plan.replicate) * 1000),
             heartbeat_timeout_ms=int(ft.heartbeat_timeout_s * 1000),
         )
     address = ft.lighthouse or lighthouse.address()
