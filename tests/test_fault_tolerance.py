@@ -184,7 +184,8 @@ def start_torchrun_group(group: int, groups: int, lighthouse: str, args: list[st
 def run_torchrun_groups(steps: int, run_dir: Path, tmp_path: Path) -> None:
     from torchft.coordination import LighthouseServer
 
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=200, heartbeat_timeout_ms=500)  # 2 groups: the defaults
+    # the harness's defaults for 2 groups
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=200, heartbeat_timeout_ms=500)
     args = [a for a in FT if not a.startswith(("launcher.", "train.steps"))] + AVERAGERS["periodic"]
     args += [f"train.steps={steps}", "checkpoint=sharded", "checkpoint.interval=8", f"hydra.run.dir={run_dir}"]
     try:
