@@ -130,7 +130,7 @@ def run_job(
             reached = reached_step(run_dir)
             if reached == 0:  # not training yet: wait for the first step
                 continue
-            if reached >= steps:  # a world has finished: its peers have no one left to heal from
+            if reached >= steps:  # a world has finished: the run is over, a group killed now just stops
                 return
             pids = victims(marker, fault_tolerant, groups)
             if pids:

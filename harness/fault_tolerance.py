@@ -13,6 +13,7 @@ checkpoint parts, from memory).
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import time
@@ -41,6 +42,10 @@ LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 # =1: a heal's sender and receiver log a SHA-256 digest of the whole state, to check that it arrived
 # bit for bit (it reads every byte twice on each side, so it is off by default)
 HEAL_DIGEST_ENV = "HARNESS_HEAL_DIGEST"
+# in a replica group's outputs once it has trained every step: a peer restarted after that finds no one
+# to heal from (the lighthouse cannot tell finished groups from dead ones), so it stops instead of
+# waiting quorum_timeout_s and training on alone
+FINISHED = "finished.json"
 
 
 def enabled(cfg: DictConfig) -> bool:
@@ -137,7 +142,26 @@ def group_outputs(cfg: DictConfig, run_dir: Path, replica_id: int) -> tuple[Path
     cfg.checkpoint = group_checkpoint_config(cfg.checkpoint, replica_id)
     outputs = group_dir(run_dir, replica_id)
     outputs.mkdir(exist_ok=True)
+    (outputs / FINISHED).unlink(missing_ok=True)  # an earlier run's, in this run dir: this one is not finished
     return outputs, resume_path(cfg.checkpoint, outputs)
+
+
+class PeersFinished(Exception):
+    """A restarted replica group found that a peer has trained every step: there is no one left to heal
+    from, and the run's model is its peers'; the group stops (and its rank exits 0)."""
+
+
+def finished_peer(run_dir: Path, replica_id: int, steps: int) -> tuple[int, int] | None:
+    """(a peer group of `replica_id` under `run_dir` that has trained `steps` steps, its step), or None."""
+    for marker in sorted(run_dir.glob(f"replica_group_*/{FINISHED}")):
+        peer = int(marker.parent.name.removeprefix("replica_group_"))
+        try:
+            step = json.loads(marker.read_text())["step"]
+        except (OSError, ValueError, KeyError):  # being written, or gone: not finished yet
+            continue
+        if peer != replica_id and step >= steps:
+            return peer, step
+    return None
 
 
 def torchrun_groups(cfg: DictConfig) -> tuple[int, int]:
@@ -325,9 +349,12 @@ class ReplicaGroup:
     the start of each step that crosses replicas (and of the first step a group
     runs, which is how a restarted group joins), the heal state, the ft/* metrics."""
 
-    def __init__(self, trainer, link: TorchftLink, replica_id: int, shard: int, seed: int, alone_after_s: float):
+    def __init__(
+        self, trainer, link: TorchftLink, replica_id: int, shard: int, seed: int, alone_after_s: float, outputs: Path
+    ):
         self.trainer, self.link, self.replica_id = trainer, link, replica_id
-        self.shard, self.seed, self.alone_after_s = shard, seed, alone_after_s
+        self.shard, self.seed, self.alone_after_s, self.outputs = shard, seed, alone_after_s, outputs
+        self.restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0  # the launcher's and torchrun's
         self.heals, self.replicas, self.joined = 0, None, False
         self.row: dict = {}
         link.manager.register_state_dict_fn("harness", self._load_heal_state, self._heal_state)
@@ -358,14 +385,34 @@ class ReplicaGroup:
         lighthouse gives a lone asker a quorum of its own once the others' wait is over, or at
         once while no other group's Manager is up; a group that took that would train on alone,
         out of step with its peers, and hold up their quorums. Groups started together meet here,
-        and a restarted group waits here for its peers' next quorum."""
+        and a restarted group waits here for its peers' next quorum, unless they have finished."""
         deadline = time.monotonic() + self.alone_after_s
         while True:
+            if self.restarted:
+                self._stop_if_a_peer_finished()
             heals = self.heals
             self.link.begin(self.trainer.state.step)
             if self.link.size() > 1 or self.heals > heals or time.monotonic() > deadline:
                 return
             time.sleep(0.2)
+
+    def _stop_if_a_peer_finished(self) -> None:
+        """Raise PeersFinished if a peer has trained every step (read by the group's first rank, on a file
+        system its peers write to: one machine, or a shared run dir; elsewhere the group waits as before)."""
+        found = [finished_peer(self.outputs.parent, self.replica_id, self.trainer.cfg.steps)]
+        dist.broadcast_object_list(found, src=0)  # every rank of the group stops, or none
+        if found[0] is not None:
+            peer, step = found[0]
+            raise PeersFinished(
+                f"replica group {self.replica_id} restarted after replica group {peer} finished training (step "
+                f"{step}): no peer is left to heal from, and the run's model is theirs, so it stops at step "
+                f"{self.trainer.state.step} (its newest checkpoint)"
+            )
+
+    def finish(self) -> None:
+        """This group has trained every step: say so in its outputs, for a peer that restarts after it exits."""
+        if dist.get_rank() == 0:
+            (self.outputs / FINISHED).write_text(json.dumps({"step": self.trainer.state.step}))
 
     def gradients_committed(self) -> bool:
         """A warmup step's gradient exchange succeeded with enough replica groups (else the step is skipped)."""

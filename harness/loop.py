@@ -22,7 +22,7 @@ from harness.checkpoint import Checkpointer, checkpoint_dir, load
 from harness.config import plain
 from harness.data import TokenStream
 from harness.dist import DistEnv, init_distributed, mean_over_ranks, node_of_each_rank, teardown, true_on_every_rank
-from harness.fault_tolerance import ReplicaGroup, TorchftLink, group_outputs
+from harness.fault_tolerance import PeersFinished, ReplicaGroup, TorchftLink, group_outputs
 from harness.job import Job, build_job
 from harness.mesh import describe_replicas
 from harness.optim import clip_grad_norm_
@@ -62,6 +62,8 @@ def run_rank(cfg: DictConfig, run_dir: Path, plan: RunPlan) -> None:
         log.info("replicas: %s", describe_replicas(job.mesh, node_of_each_rank()))
         with Trainer(job, cfg, env, run_dir, resume_from, replica_group=plan.replica_id) as trainer:
             trainer.run()
+    except PeersFinished as e:
+        log.warning("%s", e)
     finally:
         if link is not None:
             link.shutdown()
@@ -88,8 +90,9 @@ class Trainer:
         self.replica_group = None
         if replica_group is not None:
             link = job.cross_replica.averager.link
+            ft = cfg.fault_tolerance
             self.replica_group = ReplicaGroup(
-                self, link, replica_group, env.world_size, cfg.train.seed, cfg.fault_tolerance.quorum_timeout_s
+                self, link, replica_group, env.world_size, cfg.train.seed, ft.quorum_timeout_s, run_dir
             )
         run_config = plain(cfg)
         self.checkpointer = Checkpointer(
@@ -122,6 +125,8 @@ class Trainer:
                 if self.job.cross_replica is not None:
                     self.job.cross_replica.wait()
                 dist.barrier()  # no rank tears down while a peer still has collectives in flight
+                if self.replica_group is not None and self.state.step >= self.cfg.steps:
+                    self.replica_group.finish()
         finally:
             self.sink.close()
 

@@ -62,9 +62,6 @@ def group_ranks(group: int, scope: Path) -> list[int]:
         except OSError:
             return False
 
-    def parent(pid: str) -> str:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
-
     pids = []
     for entry in Path("/proc").iterdir():
         try:
@@ -73,6 +70,10 @@ def group_ranks(group: int, scope: Path) -> list[int]:
         except OSError:  # gone meanwhile
             continue
     return pids
+
+
+def parent(pid: str | int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
 
 
 def wait_for_step(rows_file: Path, step: int, proc: subprocess.Popen, timeout: float) -> None:
@@ -171,6 +172,49 @@ def test_a_killed_replica_group_heals_while_the_other_trains_on(tmp_path, averag
     assert received, "group 1 logged no heal"
     for step, value in received:
         assert sent.get(step) == value, f"heal at step {step}: sent {sent.get(step)}, holds {value}"
+
+
+@pytest.mark.slow
+def test_a_group_back_after_its_peers_finished_stops_at_once(tmp_path):
+    """Group 1's node is lost (its supervisor stopped, its rank SIGKILLed) and comes back after group 0
+    has finished: the restarted group finds no one to heal from and stops at once, instead of waiting
+    quorum_timeout_s (300 s) at its first quorum and training on alone; the run exits 0."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, str(TRAIN), *FT, *AVERAGERS["periodic"], f"hydra.run.dir={run_dir}"],
+        env={**base_env(tmp_path), KILL_SCOPE: str(tmp_path)},
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    supervisor = None
+    try:
+        wait_for_step(run_dir / "replica_group_1" / "metrics.jsonl", 12, proc, timeout=240)
+        ranks = group_ranks(1, tmp_path)
+        assert ranks, "no rank of replica group 1 found by REPLICA_GROUP_ID"
+        supervisor = int(parent(ranks[0]))
+        os.kill(supervisor, signal.SIGSTOP)  # the group cannot restart until its node is back
+        for pid in ranks:
+            os.kill(pid, signal.SIGKILL)
+        wait_for_step(run_dir / "replica_group_0" / "metrics.jsonl", 120, proc, timeout=240)
+        deadline = time.monotonic() + 60
+        while not (run_dir / "replica_group_0" / "finished.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.kill(supervisor, signal.SIGCONT)
+        stdout, stderr = proc.communicate(timeout=240)  # well within quorum_timeout_s
+    finally:
+        if supervisor is not None:
+            os.kill(supervisor, signal.SIGCONT)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    check_ok(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+    assert "replica group 1 failed" in stderr and "restarting it (1 of 3)" in stderr
+    restarted = (run_dir / "logs" / "rank1.log").read_text()
+    assert "restarted after replica group 0 finished training (step 120)" in restarted
+    assert [row["step"] for row in read_metrics(run_dir / "replica_group_0")] == list(range(1, 121))
+    assert read_metrics(run_dir / "replica_group_1")[-1]["step"] < 120, "group 1 trained on alone"
 
 
 def start_torchrun_group(group: int, groups: int, lighthouse: str, args: list[str], env: dict, cwd: Path):
