@@ -5,6 +5,7 @@ injector would."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -205,7 +206,8 @@ def test_a_group_back_after_its_peers_finished_stops_at_once(tmp_path):
         stdout, stderr = proc.communicate(timeout=240)  # well within quorum_timeout_s
     finally:
         if supervisor is not None:
-            os.kill(supervisor, signal.SIGCONT)
+            with contextlib.suppress(ProcessLookupError):  # never left stopped
+                os.kill(supervisor, signal.SIGCONT)
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
