@@ -72,7 +72,7 @@ def parent(pid: str) -> str:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
 
 
-def victims(marker: str, fault_tolerant: bool, groups: int) -> list[int]:
+def victims(marker: str, fault_tolerant: bool) -> list[int]:
     """One failure's processes: a random replica group's ranks, or one random torchrun worker."""
     tag = f"{MARKER}={marker}".encode()
     found: dict[str, list[int]] = {}
@@ -112,7 +112,6 @@ def run_job(
     every: float | None,
     failures: int,
     fault_tolerant: bool,
-    groups: int,
     cwd: Path,
     steps: int,
 ) -> dict:
@@ -132,7 +131,7 @@ def run_job(
                 continue
             if reached >= steps:  # a world has finished: the run is over, a group killed now just stops
                 return
-            pids = victims(marker, fault_tolerant, groups)
+            pids = victims(marker, fault_tolerant)
             if pids:
                 kills.append(reached)
                 for pid in pids:
@@ -254,7 +253,6 @@ def measure(groups: int, args: argparse.Namespace, work: Path) -> list[dict]:
                 every,
                 args.failures,
                 "torchft" in name,
-                groups,
                 work,
                 steps,
             )

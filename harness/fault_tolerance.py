@@ -153,14 +153,16 @@ class PeersFinished(Exception):
 
 def finished_peer(run_dir: Path, replica_id: int, steps: int) -> tuple[int, int] | None:
     """(a peer group of `replica_id` under `run_dir` that has trained `steps` steps, its step), or None."""
+    from harness.checkpoint_paths import GROUP_DIR
+
     for marker in sorted(run_dir.glob(f"replica_group_*/{FINISHED}")):
-        peer = int(marker.parent.name.removeprefix("replica_group_"))
+        group = GROUP_DIR.match(marker.parent.name)
         try:
             step = json.loads(marker.read_text())["step"]
         except (OSError, ValueError, KeyError):  # being written, or gone: not finished yet
             continue
-        if peer != replica_id and step >= steps:
-            return peer, step
+        if group and int(group.group(1)) != replica_id and step >= steps:
+            return int(group.group(1)), step
     return None
 
 
