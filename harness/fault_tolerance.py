@@ -331,10 +331,19 @@ class TorchftLink:
         self.manager.load_state_dict({"step": place, "batches_committed": self.manager.batches_committed()})
         self.manager.start_quorum()
 
+    def reform(self) -> None:
+        """A quorum of the last one's members still alive, without heals (torchft's shrink_only), to redo
+        an exchange that did not commit inside its step: a group outside it would need a heal, and a
+        heal mid-step would send state that is half this step's."""
+        self.manager.start_quorum(allow_heal=False, shrink_only=True)
+
     def commit(self) -> bool:
         committed = self.manager.should_commit()
         self.commits += committed
         return committed
+
+    def failed(self) -> bool:
+        return self.manager.errored() is not None
 
     def state_dict(self) -> dict:
         return {"commits": self.commits}
@@ -367,19 +376,41 @@ class ReplicaGroup:
         averager = self.trainer.job.cross_replica.averager
         if self.joined and not averager.crosses_replicas():
             return
-        start, heals = time.perf_counter(), self.heals
-        if self.joined:
-            self.link.begin(self.trainer.state.step)
-        else:
-            self._join()
+        heals = self.heals
+        self._quorum(lambda: self.link.begin(self.trainer.state.step) if self.joined else self._join())
+        self.joined = True
+        if self.heals > heals:
+            self.row[metrics.FT_HEAL_TIME] = self.row[metrics.FT_QUORUM_TIME]
+
+    def complete_the_last_exchange(self) -> None:
+        """At the run's last step, redo its exchange if it did not commit (a group was lost in it): no
+        later sync would take its window in, so each survivor would end with a model of its own. The
+        survivors redo it among themselves (`TorchftLink.reform`); a group restarted meanwhile finds
+        them finished and stops. Each retry follows a loss, so there are at most as many as groups."""
+        averager, step = self.trainer.job.cross_replica.averager, self.trainer.state.step + 1
+        for _ in range(self.replicas):
+            if averager.uncommitted is None:
+                return
+            self._quorum(self.link.reform)
+            log.warning(
+                "step %d: the last exchange did not commit; redoing it among the %d replica groups left",
+                step,
+                self.replicas,
+            )
+            averager.redo_uncommitted()
+        if averager.uncommitted is not None:
+            log.warning("step %d: the last exchange did not commit again: each group ends with its own model", step)
+
+    def _quorum(self, open_quorum) -> None:
+        """Open a quorum with `open_quorum`; log a change in its size; its time adds to this step's ft/quorum_s."""
+        start = time.perf_counter()
+        open_quorum()
         replicas = self.link.size()
         if self.replicas is not None and replicas != self.replicas:
             change = "joined" if replicas > self.replicas else "left"
             log.warning("replica group(s) %s: %d in the quorum (was %d)", change, replicas, self.replicas)
-        self.replicas, self.joined = replicas, True
-        self.row[metrics.FT_QUORUM_TIME] = time.perf_counter() - start
-        if self.heals > heals:
-            self.row[metrics.FT_HEAL_TIME] = self.row[metrics.FT_QUORUM_TIME]
+        self.replicas = replicas
+        self.row[metrics.FT_QUORUM_TIME] = self.row.get(metrics.FT_QUORUM_TIME, 0.0) + time.perf_counter() - start
 
     def _join(self) -> None:
         """A group's first quorum, at its (re)start: repeated until it holds another group (then a

@@ -161,6 +161,8 @@ class Trainer:
             elif self.replica_group is None or self.replica_group.gradients_committed():
                 self.checkpointer.wait_for_staging()  # an async save copies the parameters before they change
                 job.optimizer.step()  # with an averager: the local step, then maybe averaging across replicas
+                if self.replica_group is not None and step == cfg.steps:  # the run ends with the survivors' average
+                    self.replica_group.complete_the_last_exchange()
             else:  # fault tolerance: a warmup step whose gradient exchange did not commit
                 log.warning("step %d: the gradient exchange across replica groups failed; step skipped", step)
             job.optimizer.zero_grad(set_to_none=True)

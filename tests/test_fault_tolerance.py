@@ -6,6 +6,7 @@ injector would."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from support import TRAIN, base_env, check_ok, read_metrics
+from support import TRAIN, assert_bitwise_equal, base_env, check_ok, read_metrics, saved_state
 
 TIMEOUT_S = 20  # a collective's, and a process group's setup (the worst wait a kill can cost the survivors)
 FT = [
@@ -219,11 +220,13 @@ def test_a_group_back_after_its_peers_finished_stops_at_once(tmp_path):
     assert read_metrics(run_dir / "replica_group_1")[-1]["step"] < 120, "group 1 trained on alone"
 
 
-def start_torchrun_group(group: int, groups: int, lighthouse: str, args: list[str], env: dict, cwd: Path):
+def start_torchrun_group(
+    group: int, groups: int, lighthouse: str, args: list[str], env: dict, cwd: Path, entry: Path = TRAIN, restarts=1
+):
     """One replica group as its own `torchrun` (its own rendezvous), as on another machine."""
     env = {**env, "REPLICA_GROUP_ID": str(group), "NUM_REPLICA_GROUPS": str(groups), "TORCHFT_LIGHTHOUSE": lighthouse}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--max-restarts", "1"]
-    cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", str(TRAIN), *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--max-restarts", str(restarts)]
+    cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", str(entry), *args]
     return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -264,6 +267,60 @@ def test_two_torchrun_groups_share_a_lighthouse_and_a_whole_job_restart_resumes(
         }
         resumed = {r["step"]: r["train/loss"] for r in rows if "train/loss" in r and r["step"] > 16}
         assert resumed == {s: expected[s] for s in range(17, 25)}
+
+
+# the exchange applied at step 21, the last, is opened by the quorum of step 21 (periodic) or, a step
+# of sync_delay earlier, of step 20 (Streaming DiLoCo): the group that dies there is in it
+LAST_EXCHANGE_OPENS = {"periodic": 21, "streaming_diloco": 20}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("averager", sorted(AVERAGERS))
+def test_a_group_lost_in_the_last_exchange_leaves_the_survivors_one_averaged_model(tmp_path, averager):
+    """Three torchrun groups; group 2 dies inside the exchange applied at the run's last step, which
+    no later sync can take in: the two survivors redo it among themselves (a quorum of the last
+    one's members) and end with one model, bit for bit, in their final checkpoints, not each its own."""
+    from torchft.coordination import LighthouseServer
+
+    run_dir = tmp_path / "run"
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=10000, heartbeat_timeout_ms=500)
+    args = [a for a in FT if not a.startswith(("launcher.", "train.steps"))] + AVERAGERS[averager]
+    args += ["train.steps=21", f"hydra.run.dir={run_dir}"]
+    if averager == "periodic":
+        args += ["checkpoint=sharded", "checkpoint.interval=100"]
+    env = base_env(tmp_path)
+    victim_env = {**env, "HARNESS_TEST_DIE_AT_STEP": str(LAST_EXCHANGE_OPENS[averager])}
+    probe = Path(__file__).parent / "probes" / "dies_in_exchange.py"
+    try:
+        groups = [start_torchrun_group(g, 3, lighthouse.address(), args, env, tmp_path, restarts=0) for g in (0, 1)]
+        groups.append(start_torchrun_group(2, 3, lighthouse.address(), args, victim_env, tmp_path, probe, 0))
+        results = [(group, *group.communicate(timeout=400)) for group in groups]
+    finally:
+        for group in groups:
+            if group.poll() is None:
+                group.kill()
+        lighthouse.shutdown()
+    for group, stdout, stderr in results[:2]:
+        check_ok(subprocess.CompletedProcess(group.args, group.returncode, stdout, stderr))
+    assert results[2][0].returncode != 0, "group 2 did not die"
+
+    saved = [run_dir / f"replica_group_{g}" / "checkpoints" / "step_21" for g in (0, 1)]
+    final = [saved_state(step_dir, tmp_path) for step_dir in saved]
+    meta = [json.loads((step_dir / "meta.json").read_text())["cross_replica"] for step_dir in saved]
+    synced = set(final[0]["model"])  # what the exchange applied at step 21 sets: periodic, the whole model
+    if averager == "streaming_diloco":  # its second fragment; the first has trained alone since step 17
+        synced = set(meta[0]["averager"]["fragments"][1])
+        assert_bitwise_equal(*(f["parts"]["cross_replica"]["params"] for f in final))  # θ_outer, every fragment
+    assert_bitwise_equal(*({name: f["model"][name] for name in synced} for f in final))
+    assert meta[0]["replica_link"] == meta[1]["replica_link"], "the survivors committed different exchanges"
+    if averager == "streaming_diloco":  # saved inside the failed sync's delay window: not kept, its mean is unaveraged
+        step_20 = json.loads((run_dir / "replica_group_0" / "checkpoints" / "step_20" / "meta.json").read_text())
+        assert "in_flight" not in step_20["cross_replica"]["averager"]
+    logs = (run_dir / "train.log").read_text() + (run_dir / "logs" / "rank1.log").read_text()
+    assert logs.count("redoing it among the 2 replica groups left") == 2, logs[-3000:]
+    for group in (0, 1):
+        rows = read_metrics(run_dir / f"replica_group_{group}")
+        assert rows[-1]["step"] == 21 and rows[-1]["ft/replicas"] == 2
 
 
 @pytest.mark.slow

@@ -9,6 +9,8 @@ checkpoint read (`synchronous`, `diverged`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.distributed.algorithms.model_averaging.averagers import ModelAverager
 from torch.distributed.device_mesh import DeviceMesh
@@ -49,6 +51,8 @@ class ReplicaAverager(ModelAverager):
         self.comm_dtype = getattr(torch, str(comm_dtype))
         # what crosses replicas: the mesh's replicate group, or torchft's Manager under fault tolerance
         self.link = link or MeshLink(self.process_group)
+        # this step's exchange, to redo, when it did not commit (fault tolerance: a replica was lost in it)
+        self.uncommitted: Callable[[], None] | None = None
 
     @property
     def synchronous(self) -> bool:
@@ -73,13 +77,25 @@ class ReplicaAverager(ModelAverager):
         return self.link if schedule.periodic_due(self.step, self.warmup_steps, self.period) else None
 
     def average_parameters(self, params) -> None:
+        self.uncommitted = None
         group = self.group_to_average()
         if group is not None:
-            time_s, nbytes, drift = average_local_shards(params, group, self.comm_dtype)
-            self.traffic.add_averaging(nbytes)
-            if drift is not None:  # None: a fault-tolerant sync that did not commit, so nothing was averaged
-                self.traffic.averaged = {metrics.AVERAGER_DRIFT: drift, metrics.AVERAGER_TIME: time_s}
+            self._average(params, group)
         self.step += 1
+
+    def _average(self, params, group: ReplicaLink) -> None:
+        time_s, nbytes, drift = average_local_shards(params, group, self.comm_dtype)
+        self.traffic.add_averaging(nbytes)
+        if drift is None:  # a fault-tolerant sync that did not commit: nothing was averaged
+            self.uncommitted = lambda: self._average(params, group)
+        else:
+            self.traffic.averaged = {metrics.AVERAGER_DRIFT: drift, metrics.AVERAGER_TIME: time_s}
+
+    def redo_uncommitted(self) -> None:
+        """Redo this step's exchange that did not commit, over the link's quorum as it is now (fault
+        tolerance, at the run's last step: no later sync would take its window in)."""
+        redo, self.uncommitted = self.uncommitted, None
+        redo()
 
 
 class HierarchicalReplicaAverager(ReplicaAverager):

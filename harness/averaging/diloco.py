@@ -94,6 +94,7 @@ class DiLoCoAverager(ReplicaAverager):
         sync whose delay ends here (or, halfway through the delay, start its
         second collective), start the one that falls here (applied at once
         without `sync_delay`)."""
+        self.uncommitted = None
         in_flight = self.outer.in_flight
         if in_flight is not None and in_flight.apply_step == self.step:
             self.finish_sync()
@@ -118,28 +119,36 @@ class DiLoCoAverager(ReplicaAverager):
         self.outer.in_flight.blocked_s = time.perf_counter() - start
         self.traffic.add_averaging(sum(c.nbytes for c in self.outer.in_flight.collectives))
 
-    def finish_sync(self) -> None:
-        """Wait for the fragment's mean pseudo-gradient, take the outer step, set the
-        fragment's parameters, and report the sync on this step's row."""
-        in_flight = self.outer.in_flight
+    def finish_sync(self, sync: SyncInFlight | None = None) -> None:
+        """Wait for the fragment's mean pseudo-gradient (of the sync in flight, or `sync`), take
+        the outer step, set the fragment's parameters, and report the sync on this step's row."""
+        if sync is None:
+            sync, self.outer.in_flight = self.outer.in_flight, None
         device = self.outer.tensors[0].device
         synchronize(device)
         start = time.perf_counter()
-        sums = self.outer.finish_sync(self.mix)
+        sums = self.outer.finish_sync(sync, self.mix)
         if sums is None:  # a fault-tolerant sync that did not commit: dropped, θ_outer unchanged
+            self.uncommitted = lambda: self._redo(sync)
             return
         synchronize(device)
         dist.all_reduce(sums)  # over every rank: replicas repeat the mean, so divide those sums by the replica count
         self.link.sum_over_replicas(sums)
         replicas = self.link.size()
         self.traffic.averaged = {
-            metrics.AVERAGER_TIME: in_flight.blocked_s + time.perf_counter() - start,
+            metrics.AVERAGER_TIME: sync.blocked_s + time.perf_counter() - start,
             metrics.AVERAGER_PSEUDO_GRAD_NORM: (sums[2] / replicas).sqrt().item(),
             metrics.AVERAGER_OUTER_LR: self.outer.optimizer.param_groups[0]["lr"],
-            metrics.AVERAGER_FRAGMENT: in_flight.fragment,
+            metrics.AVERAGER_FRAGMENT: sync.fragment,
         }
         if sums[0] >= 0:  # negative: the pseudo-gradients of a resumed window are gone, so is the drift
             self.traffic.averaged[metrics.AVERAGER_DRIFT] = (sums[0] / sums[1].clamp_min(1e-30)).sqrt().item()
+
+    def _redo(self, sync: SyncInFlight) -> None:
+        """`sync`, which did not commit, started again over the link's quorum as it is now and finished."""
+        again = self.outer.restart_sync(sync, self.link, self.comm_dtype)
+        self.traffic.add_averaging(sum(c.nbytes for c in again.collectives))
+        self.finish_sync(again)
 
     def wait(self) -> None:
         """Complete a sync's collectives still in flight (before the process group goes)."""
@@ -203,19 +212,26 @@ def start_pseudo_gradient_mean(
     group: ReplicaLink | dist.ProcessGroup,
     comm_dtype: torch.dtype,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[MeanInFlight]]:
-    """`Δ = outer - local` per tensor, and its mean over `group` started, one bucket
-    per collective. Returns (Δ, mean, collectives): per-tensor views of the flat
-    buckets; the means are complete once every collective's `wait()` returned."""
-    deltas, means, collectives = [], [], []
-    for bucket in buckets(local):
-        flat_delta = torch.cat([outer[i].reshape(-1) for i in bucket]).to(local[0].device)
-        flat_delta -= torch.cat([local[i].reshape(-1) for i in bucket])
-        flat_mean = flat_delta.clone()
-        collectives.append(start_mean_over_group(flat_mean, group, comm_dtype))
-        sizes = [local[i].numel() for i in bucket]
-        deltas += [d.view_as(local[i]) for i, d in zip(bucket, flat_delta.split(sizes))]
-        means += [m.view_as(local[i]) for i, m in zip(bucket, flat_mean.split(sizes))]
-    return deltas, means, collectives
+    """`Δ = outer - local` per tensor, and its mean over `group` started (`start_means`).
+    Returns (Δ, mean, collectives)."""
+    deltas = torch._foreach_sub([o.to(t.device) for o, t in zip(outer, local)], local)
+    return (deltas, *start_means(deltas, group, comm_dtype))
+
+
+@torch.no_grad()
+def start_means(
+    tensors: list[torch.Tensor], group: ReplicaLink | dist.ProcessGroup, comm_dtype: torch.dtype
+) -> tuple[list[torch.Tensor], list[MeanInFlight]]:
+    """The mean of each of `tensors` over `group`, started, one bucket per collective. Returns
+    (mean, collectives): per-tensor views of the flat buckets, complete once every
+    collective's `wait()` returned."""
+    means, collectives = [], []
+    for bucket in buckets(tensors):
+        flat = torch.cat([tensors[i].reshape(-1) for i in bucket])
+        collectives.append(start_mean_over_group(flat, group, comm_dtype))
+        sizes = [tensors[i].numel() for i in bucket]
+        means += [m.view_as(tensors[i]) for i, m in zip(bucket, flat.split(sizes))]
+    return means, collectives
 
 
 @torch.no_grad()
@@ -284,16 +300,23 @@ class OuterState:
         )
         self.in_flight = SyncInFlight(fragment, apply_step, indices, deltas, means, collectives)
 
-    def finish_sync(self, mix: float) -> torch.Tensor | None:
-        """Apply the sync in flight; returns the metric sums (`apply_outer_step`), or None
-        when the link did not commit it (fault tolerance: a replica was lost on the way)."""
-        sync, self.in_flight = self.in_flight, None
+    def finish_sync(self, sync: SyncInFlight, mix: float) -> torch.Tensor | None:
+        """Apply `sync`; returns the metric sums (`apply_outer_step`), or None when the
+        link did not commit it (fault tolerance: a replica was lost on the way)."""
         sync.wait()
         if not self.link.commit():
             return None
         local = [local_view(self.params[i]) for i in sync.indices]
         outer = [self.tensors[i] for i in sync.indices]
         return apply_outer_step(local, outer, self.optimizer, sync.deltas, sync.means, mix)
+
+    def restart_sync(self, sync: SyncInFlight, group: ReplicaLink, comm_dtype: torch.dtype) -> SyncInFlight:
+        """`sync`, whose exchange did not commit, started again over `group`: the same pseudo-gradients
+        averaged anew (a resumed sync's mean was saved complete, and needs no collective)."""
+        if sync.deltas is None:
+            return sync
+        means, collectives = start_means(sync.deltas, group, comm_dtype)
+        return SyncInFlight(sync.fragment, sync.apply_step, sync.indices, sync.deltas, means, collectives)
 
     @torch.no_grad()
     def set_from_params(self, indices) -> None:
@@ -307,8 +330,8 @@ class OuterState:
             "fragments": [[self.names[i] for i in fragment] for fragment in self.fragments],
             "outer_state": [self.names[i] for i, t in enumerate(self.tensors) if self.optimizer.state.get(t)],
         }
-        if self.in_flight is not None:
-            state["in_flight"] = {"fragment": self.in_flight.fragment, "apply_step": self.in_flight.apply_step}
+        if (sync := self._in_flight_to_save()) is not None:
+            state["in_flight"] = {"fragment": sync.fragment, "apply_step": sync.apply_step}
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -331,8 +354,7 @@ class OuterState:
         """θ_outer and the outer optimizer's state by parameter name, in the
         parameters' layout (DTensors under FSDP2), sharing storage with them."""
         optim_state = {}
-        if self.in_flight is not None:
-            self.in_flight.wait()  # a checkpoint inside a delay window holds the completed mean
+        sync = self._in_flight_to_save()
         for name, p, t in zip(self.names, self.params, self.tensors):
             state = self.optimizer.state.get(t)
             if state:
@@ -343,11 +365,20 @@ class OuterState:
             "params": {name: _in_layout(t.detach(), p) for name, p, t in zip(self.names, self.params, self.tensors)},
             "optim_state": optim_state,
         }
-        if self.in_flight is not None:
-            names = [self.names[i] for i in self.in_flight.indices]
-            params = [self.params[i] for i in self.in_flight.indices]
-            state["in_flight_mean"] = {n: _in_layout(m, p) for n, p, m in zip(names, params, self.in_flight.means)}
+        if sync is not None:
+            names = [self.names[i] for i in sync.indices]
+            params = [self.params[i] for i in sync.indices]
+            state["in_flight_mean"] = {n: _in_layout(m, p) for n, p, m in zip(names, params, sync.means)}
         return state
+
+    def _in_flight_to_save(self) -> SyncInFlight | None:
+        """The sync in its delay window, completed, as a checkpoint holds it; None when its exchange
+        failed (fault tolerance): its mean is then this replica's own, and a resume drops the sync,
+        as this run does when it comes due."""
+        if self.in_flight is None:
+            return None
+        self.in_flight.wait()
+        return None if self.link.failed() else self.in_flight
 
     @torch.no_grad()
     def load_tensor_state_dict(self, state: dict | None) -> None:

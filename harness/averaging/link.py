@@ -4,8 +4,8 @@
 A link has a size (the replicas it joins now), the three collectives the
 averagers' `mean_over_group` uses, and two calls that bracket an exchange:
 `begin()` before a step whose end crosses replicas, `commit()` before its
-result is used. `MeshLink` is the mesh's replicate (sub)group: nothing to
-begin, always committed. `harness.fault_tolerance.TorchftLink` is torchft's
+result is used (`failed()` tells early that it will not). `MeshLink` is the
+mesh's replicate (sub)group: nothing to begin, always committed. `harness.fault_tolerance.TorchftLink` is torchft's
 Manager: a quorum, a process group that changes with it, and `should_commit`.
 """
 
@@ -40,6 +40,9 @@ class ReplicaLink(Protocol):
 
     def commit(self) -> bool: ...
 
+    def failed(self) -> bool:
+        """An exchange since `begin()` failed, so it will not commit."""
+
 
 class MeshLink:
     """Replicas that are ranks of one world: a process group of the mesh (its
@@ -71,6 +74,9 @@ class MeshLink:
 
     def commit(self) -> bool:
         return True
+
+    def failed(self) -> bool:
+        return False
 
 
 def as_link(group: ReplicaLink | dist.ProcessGroup) -> ReplicaLink:
