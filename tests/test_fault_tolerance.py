@@ -292,8 +292,9 @@ def test_a_group_lost_in_the_last_exchange_leaves_the_survivors_one_averaged_mod
     env = base_env(tmp_path)
     victim_env = {**env, "HARNESS_TEST_DIE_AT_STEP": str(LAST_EXCHANGE_OPENS[averager])}
     probe = Path(__file__).parent / "probes" / "dies_in_exchange.py"
+    groups = []
     try:
-        groups = [start_torchrun_group(g, 3, lighthouse.address(), args, env, tmp_path, restarts=0) for g in (0, 1)]
+        groups += [start_torchrun_group(g, 3, lighthouse.address(), args, env, tmp_path, restarts=0) for g in (0, 1)]
         groups.append(start_torchrun_group(2, 3, lighthouse.address(), args, victim_env, tmp_path, probe, 1))
         results = [(group, *group.communicate(timeout=400)) for group in groups]
     finally:

@@ -5,8 +5,9 @@ A link has a size (the replicas it joins now), the three collectives the
 averagers' `mean_over_group` uses, and two calls that bracket an exchange:
 `begin()` before a step whose end crosses replicas, `commit()` before its
 result is used (`failed()` tells early that it will not). `MeshLink` is the
-mesh's replicate (sub)group: nothing to begin, always committed. `harness.fault_tolerance.TorchftLink` is torchft's
-Manager: a quorum, a process group that changes with it, and `should_commit`.
+mesh's replicate (sub)group: nothing to begin, always committed.
+`harness.fault_tolerance.TorchftLink` is torchft's Manager: a quorum, a
+process group that changes with it, and `should_commit`.
 """
 
 from __future__ import annotations
