@@ -91,7 +91,7 @@ def config_errors(cfg: DictConfig, replicas: int | None) -> list[str]:
     if cfg.sharding.strategy == "ddp":
         errors.append(
             "sharding=ddp with fault_tolerance=torchft: DDP's communication hook crosses replicas outside the "
-            "replica link. Fix: sharding=no_shard (FSDP2, one replica per rank) or hybrid_shard."
+            "replica link. Fix: sharding=no_shard (one replica per rank) or hybrid_shard."
         )
     target = cfg.averager.get("_target_")
     if target is None:

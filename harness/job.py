@@ -18,7 +18,14 @@ from harness.mesh import build_mesh
 from harness.models import build_model
 from harness.optim import StepInBackward, build_local_optimizer
 from harness.plan import RunPlan
-from harness.sharding import apply_sharding, checkpoint_activations, compile_blocks
+from harness.sharding import (
+    GradientReduction,
+    apply_sharding,
+    checkpoint_activations,
+    compile_model,
+    one_device_replica,
+    resolve_dtype,
+)
 
 
 class Stateful(Protocol):
@@ -59,6 +66,8 @@ class Job:
     cross_replica: CrossReplica | None  # None when there is a single replica
     lr_schedule: LRSchedule  # the local optimizer's learning rate, stepped after each optimizer step
     flops_per_token: float  # training FLOPs of the model per token, for train/mfu
+    # a replica of one device whose gradients cross replicas: its per-parameter reduction (None otherwise)
+    gradient_reduction: GradientReduction | None = None
 
     @property
     def steps_in_backward(self) -> bool:
@@ -83,8 +92,9 @@ def build_job(cfg: DictConfig, env: DistEnv, plan: RunPlan, link: ReplicaLink | 
     model = build_model(cfg.model, cfg.train.seq_len)
     flops_per_token = model.flops_per_token(cfg.train.seq_len)
     checkpoint_activations(model, cfg.model.activation_checkpointing)
+    one_device = one_device_replica(cfg.sharding, plan.shard)
     if cfg.train.compile:
-        compile_blocks(model)
+        compile_model(model, one_device)
     model = apply_sharding(
         model,
         mesh,
@@ -94,8 +104,14 @@ def build_job(cfg: DictConfig, env: DistEnv, plan: RunPlan, link: ReplicaLink | 
         replicas_train_alone=plan.averaging,
         init_from=None if plan.resume_from else cfg.model.init_from,  # a resume's weights are the checkpoint's
     )
+    reduction = None
+    if one_device and plan.replicate > 1:  # before the optimizer: a step in backward takes the reduced gradient
+        reduce_dtype = resolve_dtype(cfg.sharding.reduce_dtype, env.device, low_precision_on_cuda=False)
+        reduction = GradientReduction(model, reduce_dtype)
     optimizer = build_local_optimizer(cfg.optimizer, model.parameters(), env.device)
     lr_schedule = build_lr_schedule(cfg.lr_scheduler, optimizer, cfg.train.steps)
-    optimizer, cross_replica = setup_cross_replica(model, optimizer, mesh, cfg.averager, plan.averaging, link)
+    optimizer, cross_replica = setup_cross_replica(
+        model, optimizer, mesh, cfg.averager, plan.averaging, link, reduction
+    )
     data = build_data(cfg, plan.rank_in_mesh(env.rank), plan.world_size, env.device)
-    return Job(model, optimizer, data, mesh, cross_replica, lr_schedule, flops_per_token)
+    return Job(model, optimizer, data, mesh, cross_replica, lr_schedule, flops_per_token, reduction)

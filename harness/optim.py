@@ -20,13 +20,23 @@ from harness.dist import local_view
 HARNESS_KEYS = ("in_backward", "decay_1d")  # optimizer-group keys the harness reads, not the class's arguments
 
 
+# the classes whose fused kernel DTensor (FSDP2's parameters) can run: torch registers sharding strategies
+# for `_fused_adam_` and `_fused_adamw_` only (checked on 2.11 and 2.13; `_fused_sgd_` raises NotImplementedError)
+FUSED_ON_DTENSORS = ("torch.optim.Adam", "torch.optim.AdamW")
+
+
 def build_optimizer(cfg: DictConfig, params, device: torch.device) -> torch.optim.Optimizer:
     """The optimizer `cfg` names over `params`, which live on `device`, in the
     groups `param_groups` makes. `fused: null` picks the fused kernels on CUDA
-    (one launch for all parameters) and the class's own default elsewhere."""
+    (one launch for all parameters; and a non-finite step is skipped on the
+    device, harness.nonfinite) where they run on these parameters, and the
+    class's own default elsewhere."""
     spec = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k not in HARNESS_KEYS}
+    params = list(params)
     if "fused" in spec and spec["fused"] is None:
-        spec["fused"] = True if device.type == "cuda" else None
+        sharded = any(isinstance(p, DTensor) for p in params)
+        fusable = not sharded or spec["_target_"] in FUSED_ON_DTENSORS
+        spec["fused"] = True if device.type == "cuda" and fusable else None
     return instantiate(spec, _convert_="all")(param_groups(cfg, params))
 
 

@@ -1,10 +1,18 @@
 """Apply a sharding strategy to a meta-device model and materialise it.
 
-FSDP2 (`fully_shard`) covers every strategy but `ddp`: one call per block, then
-the root, on the (replicate, shard) mesh. A single-replica layout uses the
-`shard` sub-mesh; several replicas use the 2-D mesh (native HSDP), unless the
-replicas train on their own (post-local SGD): then each replica is sharded on
-`shard` alone and `harness.averaging` decides what crosses replicas.
+FSDP2 (`fully_shard`) covers every strategy but `ddp` where a replica spans
+several ranks: one call per block, then the root, on the (replicate, shard)
+mesh. A single-replica layout uses the `shard` sub-mesh; several replicas use
+the 2-D mesh (native HSDP), unless the replicas train on their own (post-local
+SGD): then each replica is sharded on `shard` alone and `harness.averaging`
+decides what crosses replicas.
+
+A replica of one device (shard size 1: one GPU, `no_shard`, a replica group of
+one rank) has nothing to shard, so it is not wrapped: FSDP2 at shard size 1
+only adds copies, views and collectives of one rank to every step. It is a
+plain module with fp32 parameters computing under autocast, as `ddp`'s; where
+its gradients cross replicas, `GradientReduction` hands each one to the
+cross-replica hook, as FSDP2's reduce hands its output to `set_all_reduce_hook`.
 """
 
 from __future__ import annotations
@@ -57,14 +65,84 @@ def checkpoint_activations(model: nn.Module, mode: str) -> None:
 
 
 def compile_blocks(model: nn.Module) -> None:
-    """`torch.compile` each block's forward, as torchtitan compiles per block.
+    """`torch.compile` each block's forward, as torchtitan compiles per block, and
+    the model's `output_loss` (final norm, output projection and the fp32
+    cross-entropy over the vocabulary: a quarter of a 163M GPT's GPU time eager),
+    where the model has one.
 
-    The forward, not the module: FSDP2's hooks stay outside the compiled
+    The forwards, not the modules: FSDP2's hooks stay outside the compiled
     graphs, and parameter names (so checkpoints, and initial values, which are
     seeded by name) are the same as without compiling.
     """
     for block in model.blocks:
         block.forward = torch.compile(block.forward)
+    if hasattr(model, "output_loss"):
+        model.output_loss = torch.compile(model.output_loss)
+
+
+def compile_model(model: nn.Module, one_device: bool) -> None:
+    """`train.compile`: a replica of one device compiles the whole model and its loss
+    in one graph (`nn.Module.compile`, which keeps parameter names); a sharded or
+    DDP replica compiles per block (`compile_blocks`), outside FSDP2's and DDP's hooks."""
+    if one_device:
+        model.compile()
+    else:
+        compile_blocks(model)
+
+
+def one_device_replica(cfg: ShardingConf, shard: int) -> bool:
+    """A replica is one rank, and the strategy is not `ddp`: a plain module, no FSDP2."""
+    return shard == 1 and cfg.strategy != "ddp"
+
+
+def autocast_forward(model: nn.Module, cfg: ShardingConf, device: torch.device) -> None:
+    """fp32 parameters computing in `sharding.param_dtype` (bf16 on CUDA by default) under
+    autocast, as FSDP2's mixed-precision policy computes: for the layouts without FSDP2."""
+    compute_dtype = resolve_dtype(cfg.param_dtype, device, low_precision_on_cuda=True)
+    if compute_dtype != torch.float32:
+        model.forward = torch.autocast(device.type, dtype=compute_dtype)(model.forward)
+
+
+class GradientReduction:
+    """The gradient side of a replica of one device, whose gradients cross replicas
+    (a warmup step, synchronous training): what FSDP2's reduce is to a sharded
+    replica, with FSDP2's two switches. After a parameter's gradient is
+    accumulated on a step's last micro-batch (`set_requires_gradient_sync`), it
+    goes to the hook `set_all_reduce_hook` gave (harness.averaging's
+    cross-replica mean), in `reduce_dtype`, in place.
+
+    One parameter at a time, as backward produces them, so that a parameter
+    stepped in backward (`optimizer.in_backward`, whose hooks are registered
+    after these) steps on the reduced gradient. Every replica runs the same
+    graph, so the collectives come in the same order on every rank, as FSDP2's
+    reduce-scatters do. (DDP buckets and overlaps them: `sharding=ddp`.)
+    """
+
+    def __init__(self, model: nn.Module, reduce_dtype: torch.dtype):
+        self.reduce_dtype = reduce_dtype
+        self.hook = None
+        self.requires_sync = True
+        for p in model.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._reduce)
+
+    def set_all_reduce_hook(self, hook) -> None:
+        self.hook = hook
+
+    def set_requires_gradient_sync(self, requires_sync: bool) -> None:
+        self.requires_sync = requires_sync
+
+    @torch.no_grad()
+    def _reduce(self, param: torch.Tensor) -> None:
+        if self.hook is None or not self.requires_sync:
+            return
+        grad = param.grad
+        if grad.dtype == self.reduce_dtype:
+            self.hook(grad)
+            return
+        reduced = grad.to(self.reduce_dtype)
+        self.hook(reduced)
+        grad.copy_(reduced)
 
 
 def apply_sharding(
@@ -76,13 +154,13 @@ def apply_sharding(
     replicas_train_alone: bool = False,
     init_from: str | None = None,
 ) -> nn.Module:
+    if one_device_replica(cfg, mesh["shard"].size()):
+        materialize(model, device, seed, init_from)
+        autocast_forward(model, cfg, device)
+        return model
     if cfg.strategy == "ddp":
         materialize(model, device, seed, init_from)
-        compute_dtype = resolve_dtype(cfg.param_dtype, device, low_precision_on_cuda=True)
-        if compute_dtype != torch.float32:
-            # DDP keeps fp32 parameters and gradients; the forward computes in
-            # `sharding.param_dtype` under autocast, as FSDP2's policy does.
-            model.forward = torch.autocast(device.type, dtype=compute_dtype)(model.forward)
+        autocast_forward(model, cfg, device)
         # find_unused_parameters=True is the one switch that stops DDP from
         # rebuilding its gradient buckets in gradient-ready order after the first
         # iteration. A resumed run starts on the initial buckets, so at 4+ ranks

@@ -27,8 +27,9 @@ from harness.dist import resolve_device, under_torchrun
 from harness.mesh import mesh_shape
 from harness.models import HARNESS_KEYS as MODEL_HARNESS_KEYS
 from harness.models import build_model
-from harness.optim import HARNESS_KEYS
+from harness.optim import FUSED_ON_DTENSORS, HARNESS_KEYS
 from harness.plan import averager_configured
+from harness.sharding import one_device_replica
 
 
 def validate(cfg: DictConfig, world_size: int, gpus: int, local_world_size: int | None = None) -> None:
@@ -130,11 +131,25 @@ def _check_train(cfg: DictConfig, world_size: int, gpus: int, local_world_size: 
             "TFLOP/s). Fix: train.peak_tflops=null to look it up from the GPU's name."
         )
     errors += _check_device(cfg, gpus, local_world_size)
+    errors += _check_profile(cfg, gpus)
     cpus = len(os.sched_getaffinity(0))
     if cfg.launcher.nproc is not None and cfg.launcher.nproc > 16 * cpus:
         errors.append(
             f"launcher.nproc={cfg.launcher.nproc} starts more than 16 ranks per CPU core "
             f"({cpus} cores here); the run would thrash. Fix: launcher.nproc=2, or use torchrun across nodes."
+        )
+    return errors
+
+
+def _check_profile(cfg: DictConfig, gpus: int) -> list[str]:
+    profile = cfg.train.profile
+    errors = []
+    for key, minimum in (("wait", 0), ("warmup", 0), ("active", 1), ("repeat", 0)):
+        errors += _at_least(cfg, f"train.profile.{key}", minimum, f"train.profile.{key}={max(minimum, 1)}")
+    if profile.memory_snapshot and resolve_device(cfg.train.device, gpus) != "cuda":
+        errors.append(
+            "train.profile.memory_snapshot=true records CUDA's allocator, but the ranks run on the CPU here. "
+            "Fix: train.profile.memory_snapshot=false (the trace still shows where the time goes), or run on a GPU."
         )
     return errors
 
@@ -240,7 +255,8 @@ def _check_in_backward(cfg: DictConfig) -> list[str]:
             "optimizer.in_backward=true with sharding=ddp: DDP all-reduces gradients after autograd has "
             "accumulated them, so a per-parameter hook would step on the unreduced gradient, and PyTorch's own "
             "in-backward path for DDP installs its own communication hook, which cannot be combined with the "
-            "averagers' hooks. Fix: an FSDP2 strategy (e.g. sharding=no_shard for DDP's layout), or "
+            "averagers' hooks. Fix: sharding=no_shard (DDP's layout: a replica per rank, its gradients reduced by "
+            "the harness, one parameter at a time), another strategy, or "
             "optimizer.in_backward=false."
         )
     return errors
@@ -249,17 +265,29 @@ def _check_in_backward(cfg: DictConfig) -> list[str]:
 def _check_sharding_and_averager(cfg: DictConfig, world_size: int, local_world_size: int | None) -> list[str]:
     shard, avg = cfg.sharding, cfg.averager
     errors = []
-    if shard.strategy == Strategy.ddp and shard.param_dtype == "float16":
-        errors.append(
-            "sharding.param_dtype=float16 with sharding=ddp would autocast to float16 without a gradient "
-            "scaler, and small gradients underflow. Fix: sharding.param_dtype=bfloat16 (or auto)."
-        )
     if world_size < 1:  # launcher.nproc < 1, reported with the launcher's keys
         return errors
     try:
-        replicate, _ = mesh_shape(shard.strategy, shard.replicate, world_size, local_world_size)
+        replicate, shard_size = mesh_shape(shard.strategy, shard.replicate, world_size, local_world_size)
     except ValueError as e:
         return errors + [str(e)]
+    fsdp2 = shard.strategy != Strategy.ddp and not one_device_replica(shard, shard_size)
+    optimizer = cfg.optimizer.get("_target_")
+    if fsdp2 and cfg.optimizer.get("fused") and optimizer not in FUSED_ON_DTENSORS:
+        errors.append(
+            f"optimizer.fused=true with {optimizer} on FSDP2 (sharding={shard.strategy}, {shard_size} ranks per "
+            "replica): torch has no fused kernel of it for sharded (DTensor) parameters, only Adam's and AdamW's. "
+            "Fix: optimizer.fused=null (fused wherever it runs), or a layout with a replica per rank "
+            "(sharding=no_shard)."
+        )
+    if shard.param_dtype == "float16" and (shard.strategy == Strategy.ddp or one_device_replica(shard, shard_size)):
+        layout = (
+            "sharding=ddp" if shard.strategy == Strategy.ddp else f"a replica of one rank (sharding={shard.strategy})"
+        )
+        errors.append(
+            f"sharding.param_dtype=float16 with {layout} would autocast to float16 without a gradient "
+            "scaler, and small gradients underflow. Fix: sharding.param_dtype=bfloat16 (or auto)."
+        )
     errors += fault_tolerance.config_errors(cfg, replicate)
     if not averager_configured(cfg):
         return errors

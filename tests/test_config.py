@@ -187,6 +187,20 @@ RULES = [
         0,
         ["sharding.param_dtype=float16", "gradient scaler", "sharding.param_dtype=bfloat16"],
     ),
+    (  # a replica of one rank autocasts as ddp does
+        ["sharding=no_shard", "sharding.param_dtype=float16"],
+        2,
+        0,
+        ["sharding.param_dtype=float16 with a replica of one rank", "gradient scaler"],
+    ),
+    (
+        ["optimizer=sgd", "optimizer.fused=true", "sharding=full_shard", "averager=none"],
+        2,
+        0,
+        ["optimizer.fused=true with torch.optim.SGD on FSDP2", "Fix: optimizer.fused=null"],
+    ),
+    (["train.profile.active=0"], 2, 0, ["train.profile.active=0 is out of range", "Fix: train.profile.active=1"]),
+    (["train.profile.memory_snapshot=true"], 2, 0, ["records CUDA's allocator", "memory_snapshot=false"]),
     (
         ["sharding=full_shard"],
         4,

@@ -18,6 +18,7 @@ from harness.averaging.averagers import ReplicaAverager
 from harness.averaging.hooks import count_synchronous_gradients, sync_gradients_during_warmup
 from harness.averaging.link import ReplicaLink
 from harness.averaging.traffic import CrossReplicaTraffic
+from harness.sharding import GradientReduction
 
 
 def setup_cross_replica(
@@ -27,10 +28,12 @@ def setup_cross_replica(
     cfg: DictConfig,
     averaging: bool,
     link: ReplicaLink | None = None,
+    reduction: GradientReduction | None = None,
 ) -> tuple[torch.optim.Optimizer, CrossReplica | None]:
     """Wire gradient sync and parameter averaging across replicas for `cfg` (= cfg.averager);
     `averaging`: the run's plan has an averager (`RunPlan.averaging`), else it is synchronous;
-    `link`: the replicas' link when they are not on this mesh (fault tolerance).
+    `link`: the replicas' link when they are not on this mesh (fault tolerance);
+    `reduction`: a replica of one device's gradient reduction, else the model's own (FSDP2, DDP).
 
     Returns the optimizer to step (PostLocalSGDOptimizer when averaging) and
     the object that reports this step's cross-replica figures, or None when
@@ -40,7 +43,7 @@ def setup_cross_replica(
         return optimizer, None
     traffic = CrossReplicaTraffic()
     if not averaging:
-        count_synchronous_gradients(model, traffic)
+        count_synchronous_gradients(model, traffic, reduction, mesh)
         return optimizer, CrossReplica(traffic, None)
     # partial first: instantiate would merge (and copy) keyword objects into the config;
     # not recursive: nested configs (DiLoCo's outer optimizer) are the averager's to build
@@ -49,7 +52,7 @@ def setup_cross_replica(
     # the link only under fault tolerance: an averager of one world needs no `link` argument
     extra = {**({"model": model} if wants_model else {}), **({"link": link} if link is not None else {})}
     averager = build(mesh=mesh, traffic=traffic, **extra)
-    ddp_state = sync_gradients_during_warmup(model, mesh, averager, traffic)
+    ddp_state = sync_gradients_during_warmup(model, mesh, averager, traffic, reduction)
     return PostLocalSGDOptimizer(optim=optimizer, averager=averager), CrossReplica(traffic, averager, ddp_state)
 
 

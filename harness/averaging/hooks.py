@@ -1,11 +1,14 @@
 """Gradient sync across replicas: during warmup with an averager, all the
-time without one (then only counted).
+time without one (then only counted, where the layout reduces them itself).
 
 - FSDP2: each replica is sharded on `mesh["shard"]` only; a hook set with
   `set_all_reduce_hook` on every FSDP module all-reduces the reduce-scatter
   output over the replicate group during warmup and does nothing after it.
   (`set_requires_all_reduce(False)` looks like the switch but is gradient
   accumulation: grads are held back and parameters never change.)
+- A replica of one device (a plain module): the same hook, on its
+  `GradientReduction`, gets each parameter's gradient; synchronous training
+  has no native reduction there, so its hook always means over the replicas.
 - DDP: PyTorch's `post_localSGD_hook`, with the replica's own ranks as the
   explicit subgroup (on CPU, `subgroup=None` fails at `start_localSGD_iter`).
 """
@@ -21,14 +24,20 @@ from torch.nn.parallel import DistributedDataParallel
 
 from harness.averaging import schedule
 from harness.averaging.averagers import ReplicaAverager
+from harness.averaging.link import MeshLink, ReplicaLink
 from harness.averaging.traffic import CrossReplicaTraffic
+from harness.sharding import GradientReduction
 
 
 def sync_gradients_during_warmup(
-    model: torch.nn.Module, mesh: DeviceMesh, averager: ReplicaAverager, traffic: CrossReplicaTraffic
+    model: torch.nn.Module,
+    mesh: DeviceMesh,
+    averager: ReplicaAverager,
+    traffic: CrossReplicaTraffic,
+    reduction: GradientReduction | None = None,
 ) -> PostLocalSGDState | None:
     """Average gradients across replicas while the averager's step is synchronous.
-    Returns the DDP hook's state (its own iteration counter), None under FSDP2."""
+    Returns the DDP hook's state (its own iteration counter), None otherwise."""
     replicate_group = mesh.get_group("replicate")
     if isinstance(model, DistributedDataParallel):
         state = PostLocalSGDState(
@@ -44,20 +53,41 @@ def sync_gradients_during_warmup(
         model.register_comm_hook(state, ddp_hook)
         return state
 
-    def fsdp_hook(reduce_output: torch.Tensor) -> None:
+    def hook(reduced: torch.Tensor) -> None:
         if averager.synchronous:
-            averager.link.all_reduce(reduce_output).wait()
-            reduce_output.div_(averager.link.size())
-            traffic.add_grad(reduce_output)
+            mean_over_replicas(reduced, averager.link, traffic)
 
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_all_reduce_hook(fsdp_hook)
+    set_all_reduce_hook(model, reduction, hook)
     return None
 
 
-def count_synchronous_gradients(model: torch.nn.Module, traffic: CrossReplicaTraffic) -> None:
-    """Synchronous multi-replica training: count the gradient all-reduce it already does."""
+def mean_over_replicas(gradient: torch.Tensor, link: ReplicaLink, traffic: CrossReplicaTraffic) -> None:
+    """Replace a reduced gradient (FSDP2's reduce output, or a one-device replica's gradient)
+    by its mean over the replicas, in place, counting its bytes."""
+    link.all_reduce(gradient).wait()
+    gradient.div_(link.size())
+    traffic.add_grad(gradient)
+
+
+def set_all_reduce_hook(model: torch.nn.Module, reduction: GradientReduction | None, hook) -> None:
+    """`hook` after each gradient reduction of a replica: its `GradientReduction`'s, or every FSDP module's."""
+    if reduction is not None:
+        reduction.set_all_reduce_hook(hook)
+        return
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_all_reduce_hook(hook)
+
+
+def count_synchronous_gradients(
+    model: torch.nn.Module, traffic: CrossReplicaTraffic, reduction: GradientReduction | None, mesh: DeviceMesh
+) -> None:
+    """Synchronous multi-replica training: count the gradient all-reduce the layout already does (DDP, native
+    HSDP), or, for replicas of one device, do it (the mean over the mesh's replicate group) and count it."""
+    if reduction is not None:
+        link = MeshLink(mesh.get_group("replicate"))
+        reduction.set_all_reduce_hook(lambda gradient: mean_over_replicas(gradient, link, traffic))
+        return
     if isinstance(model, DistributedDataParallel):
 
         def ddp_hook(group, bucket):  # unannotated: DDP rejects string annotations (__future__)

@@ -6,7 +6,10 @@ every rank - and a single-process reference - holds the same weights whatever
 the layout. A model
 - exposes its repeated layers as `blocks` (the unit FSDP wraps and
   `train.compile` compiles);
-- returns the LM loss from `forward(tokens, targets)`;
+- returns the LM loss from `forward(tokens, targets)` (`loss.lm_loss`);
+- may compute its tail after the blocks in `output_loss(x, targets)` (final
+  norm, output projection, loss), which `train.compile` compiles with the
+  blocks under FSDP2 (a quarter of a 163M GPT's GPU time eager);
 - counts its training `flops_per_token(seq_len)` (for `train/mfu`);
 - gives each parameter's full initial value from `initial_value(fqn, module,
   shape, generator)`, drawing only from `generator`, which `materialize` seeds

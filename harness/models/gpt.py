@@ -10,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from harness.models.arguments import nearest_divisor, require_positive, require_probability
+from harness.models.loss import lm_loss
 
 
 class CausalSelfAttention(nn.Module):
@@ -98,8 +99,11 @@ class TokenLM(nn.Module):
             x = x + self.pos_emb(torch.arange(tokens.shape[1], device=tokens.device))
         for block in self.blocks:
             x = block(x)
-        logits = self.head(self.ln_f(x))
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        return self.output_loss(x, targets)
+
+    def output_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The tail after the blocks: final norm, head and the mean cross-entropy in fp32."""
+        return lm_loss(self.head(self.ln_f(x)), targets)
 
 
 class GPT(TokenLM):

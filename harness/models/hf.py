@@ -21,7 +21,8 @@ import os
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+
+from harness.models.loss import lm_loss
 
 MISSING = (
     "model=hf needs Hugging Face transformers, which is not installed. "
@@ -231,5 +232,4 @@ class HFCausalLM(nn.Module):
                     buffer.copy_(owner._buffers[name])
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.causal_lm(input_ids=tokens, use_cache=False).logits
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        return lm_loss(self.causal_lm(input_ids=tokens, use_cache=False).logits, targets)

@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from harness.models.arguments import nearest_divisor, require_positive, require_probability
+from harness.models.loss import lm_loss
 
 
 def ffn_hidden_size(d_model: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
@@ -278,8 +279,11 @@ class Llama(nn.Module):
         x = self.tok_embeddings(tokens)
         for block in self.blocks:
             x = block(x, cos, sin)
-        logits = self.output(self.norm(x))
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        return self.output_loss(x, targets)
+
+    def output_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The tail after the blocks: final norm, output projection and the mean cross-entropy in fp32."""
+        return lm_loss(self.output(self.norm(x)), targets)
 
 
 def keys_from_hf_config(hf, init_from: str) -> dict:
