@@ -54,8 +54,8 @@ class StartMethod(Choice):
 
 
 class NonFinite(Choice):
-    error = "error"  # stop before the optimizer step
-    skip = "skip"  # drop the step's gradients on every rank
+    error = "error"  # the step is not applied and training stops (docs/failures.md: how soon)
+    skip = "skip"  # the step is not applied, training goes on
 
 
 class Strategy(Choice):
@@ -127,6 +127,18 @@ class DistConf:
 
 
 @dataclass
+class ProfileConf:
+    """`train.profile`: torch.profiler on a schedule, a trace per rank in <run dir>/profile/ (harness/profiling.py)."""
+
+    enabled: bool = False
+    wait: int = 5  # steps not traced first (start-up, compilation, the first quorum)
+    warmup: int = 2  # steps traced and dropped: the profiler's own warm-up
+    active: int = 3  # steps recorded into each trace
+    repeat: int = 1  # windows of wait + warmup + active recorded; 0 = until the run ends
+    memory_snapshot: bool = False  # CUDA: the allocator's history up to the first window's end (memory_viz)
+
+
+@dataclass
 class TrainConf:
     steps: int = 200
     batch_size: int = 8  # sequences per rank per micro-batch
@@ -137,12 +149,14 @@ class TrainConf:
     device: Device = Device.auto
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     nonfinite: NonFinite = NonFinite.error  # NaN/inf loss or gradients
-    compile: bool = False  # torch.compile each block (as torchtitan does)
+    # torch.compile: a replica of one device the whole model and its loss, else each block and the output loss
+    compile: bool = False
     # peak dense bf16 TFLOP/s of one device, for train/mfu; null = looked up
     # from the GPU's name (harness.throughput.PEAK_TFLOPS), none on CPU
     peak_tflops: Optional[float] = None
     eval_every: int = 0  # steps between eval/loss passes on the held-out data (and one at the end); 0 = none
     eval_batches: int = 4  # batches of train.batch_size sequences per eval pass, the same ones every time
+    profile: ProfileConf = field(default_factory=ProfileConf)
 
 
 # --- model ----------------------------------------------------------------------

@@ -18,15 +18,18 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from harness import metrics
+from harness.averaging import local_optimizer
 from harness.checkpoint import Checkpointer, checkpoint_dir, load
 from harness.config import plain
 from harness.data import TokenStream
-from harness.dist import DistEnv, init_distributed, mean_over_ranks, node_of_each_rank, teardown, true_on_every_rank
+from harness.dist import DistEnv, init_distributed, mean_over_ranks, node_of_each_rank, teardown
 from harness.fault_tolerance import PeersFinished, ReplicaGroup, TorchftLink, group_outputs
 from harness.job import Job, build_job
 from harness.mesh import describe_replicas
+from harness.nonfinite import NonFiniteGuard
 from harness.optim import clip_grad_norm_
 from harness.plan import RunPlan
+from harness.profiling import StepProfiler
 from harness.rng import seed_rank
 from harness.sinks import MetricsSink
 from harness.throughput import memory_metrics, peak_flops
@@ -105,18 +108,26 @@ class Trainer:
                 wandb, {"group": wandb.group or job_name, "name": f"{wandb.name or job_name}/group{replica_group}"}
             )
         self.sink = MetricsSink(run_dir, wandb, run_config, enabled=env.is_main, tensorboard=cfg.metrics.tensorboard)
+        self.nonfinite = NonFiniteGuard(
+            cfg.train.nonfinite, local_optimizer(job.optimizer), env.device, cfg.train.log_every, job.steps_in_backward
+        )
         self.state = TrainState()
+        self.profiler = None
         if resume_from is not None:
             try:
                 self.restore(resume_from)
             except BaseException:  # not yet inside `with`: close the sinks here
                 self.sink.close()
                 raise
+        if cfg.train.profile.enabled:  # last: nothing after it can fail and leave it running
+            self.profiler = StepProfiler(cfg.train.profile, run_dir, env.rank, env.device)
 
     def __enter__(self) -> Trainer:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        if self.profiler is not None:
+            self.profiler.stop()
         try:
             if exc_type is None:
                 if final := self.checkpointer.wait():  # the last async save is durable before we exit
@@ -152,38 +163,40 @@ class Trainer:
             step = state.step + 1
             log_step = step == 1 or step % cfg.log_every == 0 or step == cfg.steps
             loss = self._forward_backward()
-            grad_norm = None  # the norm costs an all-reduce: only when clipping or logging (and gradients are kept)
-            if (cfg.grad_clip > 0 or log_step) and not job.steps_in_backward:
+            grad_norm = None  # in backward each gradient was freed once its parameter stepped
+            if not job.steps_in_backward:  # the norm is also the non-finite check, on the device
                 grad_norm = clip_grad_norm_(job.model.parameters(), cfg.grad_clip)
-            finite = finite_on_every_rank(loss, grad_norm)
-            if not finite:
-                skip_nonfinite_step(cfg.nonfinite, step, job.steps_in_backward)  # raises unless train.nonfinite=skip
-            elif self.replica_group is None or self.replica_group.gradients_committed():
+            finite = self.nonfinite.check(step, loss, grad_norm)  # False: skipped by the host's check
+            if finite and (self.replica_group is None or self.replica_group.gradients_committed()):
                 self.checkpointer.wait_for_staging()  # an async save copies the parameters before they change
                 job.optimizer.step()  # with an averager: the local step, then maybe averaging across replicas
                 if self.replica_group is not None and step == cfg.steps:  # the run ends with the survivors' average
                     self.replica_group.complete_the_last_exchange()
-            else:  # fault tolerance: a warmup step whose gradient exchange did not commit
+            elif finite:  # fault tolerance: a warmup step whose gradient exchange did not commit
                 log.warning("step %d: the gradient exchange across replica groups failed; step skipped", step)
             job.optimizer.zero_grad(set_to_none=True)
             lr = job.lr_schedule.lr  # the rate this step trained at, for the log
             job.lr_schedule.step()  # the learning rate is a function of the step, skipped steps included
             state.step = step
             self._after_step(step, log_step, loss, grad_norm, lr, finite)
+            if self.profiler is not None:
+                self.profiler.step()
 
     def _forward_backward(self) -> torch.Tensor:
         """Forward and backward over the step's `train.grad_accum` micro-batches, each
         loss scaled by 1/K so the gradients add up to one batch of K·B's; their mean loss."""
         job, micro_batches = self.job, self.cfg.grad_accum
-        loss = torch.zeros((), device=self.env.device)
+        loss = None
         for micro in range(micro_batches):
             inputs, targets = job.data.next_batch()
-            with gradient_sync(job.model, micro_batches, last=micro == micro_batches - 1):
-                micro_loss = job.model(inputs, targets) / micro_batches
+            with gradient_sync(job, micro_batches, last=micro == micro_batches - 1):
+                micro_loss = job.model(inputs, targets)
+                if micro_batches > 1:
+                    micro_loss = micro_loss / micro_batches
                 if job.steps_in_backward:  # optimizer.in_backward: the parameters change during backward
                     self.checkpointer.wait_for_staging()
                 micro_loss.backward()
-            loss += micro_loss.detach()
+            loss = micro_loss.detach() if loss is None else loss + micro_loss.detach()
         return loss
 
     def _after_step(
@@ -195,6 +208,8 @@ class Trainer:
         averaged = job.cross_replica is not None and job.cross_replica.averaged_this_step
         row = {}
         evaluated = cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == cfg.steps)
+        if log_step or averaged or evaluated or self.checkpointer.due(step, cfg.steps):  # the host waits here anyway
+            row.update(self.nonfinite.report(step))  # train.nonfinite=error raises here, before eval and save
         if evaluated:
             row.update(evaluate(job.model, job.data, cfg.eval_batches))
         saved = self.checkpointer.after_step(job, step, cfg.steps)
@@ -248,14 +263,21 @@ class Trainer:
         return row
 
 
-def gradient_sync(model: torch.nn.Module, micro_batches: int, last: bool):
+def gradient_sync(job: Job, micro_batches: int, last: bool):
     """Gradient accumulation: the gradient reduction (FSDP2's reduce-scatter, DDP's
-    all-reduce, and with them the warmup's cross-replica hook) runs only on a
-    step's last micro-batch; the others accumulate locally."""
+    all-reduce, a one-device replica's `GradientReduction`, and with them the
+    warmup's cross-replica hook) runs only on a step's last micro-batch; the
+    others accumulate locally."""
+    model = job.model
     if micro_batches == 1:
         return contextlib.nullcontext()
     if isinstance(model, DistributedDataParallel):
         return contextlib.nullcontext() if last else model.no_sync()
+    if job.gradient_reduction is not None:
+        job.gradient_reduction.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+    if not isinstance(model, FSDPModule):  # a one-device replica with no peers: nothing to reduce
+        return contextlib.nullcontext()
     # FSDP2, on every FSDP module below the root; parameters also stay unsharded between
     # micro-batches, so the next forward needs no all-gather (as FSDP2's docs advise)
     model.set_requires_gradient_sync(last)
@@ -282,33 +304,3 @@ def evaluate(model: torch.nn.Module, data: TokenStream, batches: int) -> dict:
     row = {metrics.EVAL_SOURCE_LOSS.named(name): loss for (name, _), loss in zip(sources, losses)}
     row[metrics.EVAL_LOSS] = sum(weight * loss for (_, weight), loss in zip(sources, losses))
     return row
-
-
-class NonFiniteLossError(RuntimeError):
-    """The loss or gradients became NaN/inf; the message names the step and the fix."""
-
-
-def finite_on_every_rank(loss: torch.Tensor, grad_norm: torch.Tensor | None) -> bool:
-    """Agreed by all ranks: replicas training on their own can disagree, and a
-    rank skipping alone would hang the rest."""
-    finite = torch.isfinite(loss.detach()).all()
-    if grad_norm is not None:
-        finite &= torch.isfinite(grad_norm)
-    return true_on_every_rank(finite)
-
-
-def skip_nonfinite_step(policy: str, step: int, stepped_in_backward: bool) -> None:
-    """`train.nonfinite=error` stops before the optimizer step (so no checkpoint
-    holds the values); `skip` drops this step's gradients on every rank."""
-    if policy == "error":
-        where = (
-            "stopped before averaging and saving (optimizer.in_backward: the step itself ran in backward)"
-            if stepped_in_backward
-            else "stopped before the optimizer step"
-        )
-        raise NonFiniteLossError(
-            f"train: the loss or gradients are not finite (NaN/inf) at step {step}; {where}, so no checkpoint "
-            "holds non-finite values. Fix: lower optimizer.lr, keep train.grad_clip > 0, resume from the last "
-            "checkpoint, or train.nonfinite=skip to skip such steps."
-        )
-    log.warning("step %d: non-finite loss or gradients; skipped on every rank (train.nonfinite=skip)", step)

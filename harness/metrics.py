@@ -59,7 +59,11 @@ TRAIN_MFU = Metric(
     "(`train.peak_tflops` or `harness.throughput.PEAK_TFLOPS`)",
 )
 TRAIN_SKIPPED_NONFINITE = Metric(
-    "train/skipped_nonfinite", "", "a step dropped under `train.nonfinite=skip`", "1: this step's update was skipped"
+    "train/skipped_nonfinite",
+    "steps",
+    "under `train.nonfinite=skip`, the first row after a skipped step (a log, eval, save or averaging step; with a "
+    "non-fused optimizer, the skipped step itself)",
+    "steps whose update was skipped for a NaN/inf loss or gradient since the previous such row, on rank 0",
 )
 DATA_SOURCE_TOKENS = Metric(
     "data/tokens/*",

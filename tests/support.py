@@ -168,7 +168,8 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def losses(run_dir: Path) -> list[float]:
-    return [row["train/loss"] for row in read_metrics(run_dir)]
+    """The logged losses in step order (a resumed run's first row holds the resume's metrics only)."""
+    return [row["train/loss"] for row in read_metrics(run_dir) if "train/loss" in row]
 
 
 def check_ok(proc: subprocess.CompletedProcess) -> None:

@@ -176,9 +176,15 @@ def test_killed_rank_is_restarted_by_torchrun_and_the_run_ends_bitwise_equal(tmp
 
 
 @pytest.mark.slow
-def test_nonfinite_loss_stops_at_that_step_and_no_checkpoint_holds_it(tmp_path, cli_env):
+@pytest.mark.parametrize("fused", ["false", "true"], ids=["checked on the host", "skipped on the device"])
+def test_nonfinite_loss_stops_at_that_step_and_no_checkpoint_holds_it(fused, tmp_path, cli_env):
+    """A fused optimizer skips a non-finite step on the device (its `found_inf`), and the host reads
+    the check on log, eval, save and averaging steps only; the for-loop SGD is checked every step.
+    Both stop at the step (here every step logs and saves) or skip it alike."""
     run = tmp_path / "run"
-    blowup = ["optimizer=sgd", "optimizer.lr=1e9", "train.grad_clip=0", "averager=none", "sharding=full_shard"]
+    blowup = ["optimizer=sgd", "optimizer.lr=1e9", "train.grad_clip=0", "averager=none"]
+    # fused SGD has no DTensor kernel: one-device replicas (their gradients exchanged by the harness)
+    blowup += ["sharding=full_shard"] if fused == "false" else ["sharding=no_shard", "optimizer.fused=true"]
     proc = run_cli(
         [*SMALL, *blowup, "train.steps=6", "checkpoint=sharded", "checkpoint.interval=1", f"hydra.run.dir={run}"],
         cli_env,
@@ -212,6 +218,15 @@ def test_nonfinite_loss_stops_at_that_step_and_no_checkpoint_holds_it(tmp_path, 
         saved_state(skip / "checkpoints" / "step_4", tmp_path)["model"],
         saved_state(skip / "checkpoints" / "step_1", tmp_path)["model"],
     )
+    if fused == "false":
+        return
+    # on the device, between log steps: the error surfaces at the next log step, naming the first bad step
+    late = tmp_path / "late"
+    every_4 = [o for o in SMALL if not o.startswith("train.log_every")] + ["train.log_every=4"]
+    proc = run_cli([*every_4, *blowup, "train.steps=6", f"hydra.run.dir={late}"], cli_env, REPO)
+    assert proc.returncode == 1
+    assert "not finite (NaN/inf) at step 2" in proc.stdout and "training stopped at step 4" in proc.stdout
+    assert [r["step"] for r in read_metrics(late)] == [1]
 
 
 @pytest.mark.slow

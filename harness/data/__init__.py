@@ -26,6 +26,8 @@ rank calls together; one with held-out data it cannot always provide says so in
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
@@ -39,6 +41,11 @@ __all__ = ["SyntheticTokens", "TextTokens", "TokenShards", "TokenStream", "build
 
 class TokenStream:
     """Batches of (inputs, targets) for one rank; `samples` = samples consumed by all ranks.
+
+    The input pipeline stays off the critical path: while a step runs, a thread of
+    the stream's own reads (and on CUDA pins) the next micro-batch, which the loop
+    then copies to the device without waiting. Sources draw from their own seeded
+    generators, never from the global RNG, so reading ahead changes no value.
 
     A step reads `micro_batches` micro-batches of `batch_size` sequences per
     rank, consecutive samples of the rank's one slice of the step, so a run
@@ -61,17 +68,45 @@ class TokenStream:
         self.micro_batches = micro_batches
         self.samples = 0
         self._micro = 0  # micro-batches of the current step read so far
+        self._ahead: tuple[int, Future] | None = None  # (position, micro-batch) being read ahead
+        self._thread: ThreadPoolExecutor | None = None
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's next micro-batch."""
-        per_rank = self.batch_size * self.micro_batches
-        first = self.samples + self.rank * per_rank + self._micro * self.batch_size
-        seqs = self.source.samples(first, self.batch_size, self.seq_len + 1).to(self.device, non_blocking=True)
+        """This rank's next micro-batch, read ahead while the previous step ran; the one
+        after it starts reading now, on the stream's thread."""
+        seqs = self._take(self._first())
         self._micro += 1
         if self._micro == self.micro_batches:
             self._micro = 0
-            self.samples += self.world_size * per_rank
+            self.samples += self.world_size * self.batch_size * self.micro_batches
+        following = self._first()
+        self._ahead = (following, self._reader().submit(self._read, following))
+        seqs = seqs.to(self.device, non_blocking=True)  # from pinned memory on CUDA: queued, no wait
         return seqs[:, :-1], seqs[:, 1:]
+
+    def _first(self) -> int:
+        """The first global sample of this rank's next micro-batch."""
+        return self.samples + self.rank * self.batch_size * self.micro_batches + self._micro * self.batch_size
+
+    def _take(self, first: int) -> torch.Tensor:
+        """The micro-batch at `first`: the one read ahead, unless the position moved since
+        (a checkpoint or a heal loaded another one), then read now."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == first:
+            return ahead[1].result()
+        if ahead is not None:  # a source is read by one thread at a time
+            wait([ahead[1]])
+        return self._read(first)
+
+    def _read(self, first: int) -> torch.Tensor:
+        seqs = self.source.samples(first, self.batch_size, self.seq_len + 1)
+        return seqs.pin_memory() if self.device.type == "cuda" else seqs  # so the copy to the GPU is async
+
+    def _reader(self) -> ThreadPoolExecutor:
+        """One thread that reads ahead (started at the first batch, not when the stream is built)."""
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="harness-data")
+        return self._thread
 
     def eval_batch(self, index: int, source: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Held-out batch `index` (of a mixture's source `source`): the same on every rank,

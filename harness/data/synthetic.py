@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from harness.rng import seeded_generator
@@ -19,20 +21,38 @@ class SyntheticTokens:
             raise ValueError(f"data.noise={noise} must be in [0, 1). Fix: data.noise=0.1.")
         self.vocab_size, self.noise, self.seed = vocab_size, noise, seed
         self.next_token = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(_LANGUAGE_SEED))
+        self._perm_powers, self._lock = [self.next_token], threading.Lock()
 
     def eval_samples(self, first: int, count: int, length: int) -> torch.Tensor:
         return self.samples(_EVAL_STREAM + first, count, length)
 
     def samples(self, first: int, count: int, length: int) -> torch.Tensor:
         starts, breaks, random_tokens = [], [], []
-        for index in range(first, first + count):
+        for index in range(first, first + count):  # each sample its own stream: the same draws in any batch
             g = seeded_generator(self.seed, index)
             starts.append(torch.randint(self.vocab_size, (1,), generator=g))
             breaks.append(torch.rand(length, generator=g) < self.noise)
             random_tokens.append(torch.randint(self.vocab_size, (length,), generator=g))
-        breaks, random_tokens = torch.stack(breaks), torch.stack(random_tokens)
-        out = torch.empty(count, length, dtype=torch.long)
-        out[:, 0] = torch.cat(starts)
-        for t in range(1, length):
-            out[:, t] = torch.where(breaks[:, t], random_tokens[:, t], self.next_token[out[:, t - 1]])
-        return out
+        breaks, walk_from = torch.stack(breaks), torch.stack(random_tokens)
+        # token t is perm^k(x_b): b the last break at or before t (position 0 always is one, from its start
+        # token), x_b the token drawn there, k = t - b; no loop over positions
+        breaks[:, 0] = True
+        walk_from[:, 0] = torch.cat(starts)
+        positions = torch.arange(length)
+        last_break = torch.where(breaks, positions, 0).cummax(dim=1).values
+        return self._walk(walk_from.gather(1, last_break), positions - last_break, length - 1)
+
+    def _walk(self, tokens: torch.Tensor, steps: torch.Tensor, most: int) -> torch.Tensor:
+        """perm applied `steps` (at most `most`) times to each of `tokens`: perm^(2^j) for each bit j of the count."""
+        for bit, perm_power in enumerate(self._powers(most.bit_length())):
+            tokens = torch.where((steps >> bit) & 1 == 1, perm_power[tokens], tokens)
+        return tokens
+
+    def _powers(self, bits: int) -> list[torch.Tensor]:
+        """perm^1, perm^2, perm^4, ...: the first `bits` powers, computed once (under a lock: the
+        data prefetch thread and the loop's evals both ask)."""
+        with self._lock:
+            while len(self._perm_powers) < bits:
+                last = self._perm_powers[-1]
+                self._perm_powers.append(last[last])
+            return self._perm_powers[:bits]

@@ -150,7 +150,7 @@ class Mixture:
         for s in sorted(range(len(quotas)), key=lambda s: counts[s] - quotas[s])[: self.BLOCK - sum(counts)]:
             counts[s] += 1
         self.counts, self.seed = counts, seed
-        self._block, self._layout = None, None
+        self._cached: tuple[int | None, tuple | None] = (None, None)
 
     def locate(self, index: int) -> tuple[int, int]:
         block, offset = divmod(index, self.BLOCK)
@@ -166,14 +166,16 @@ class Mixture:
 
     def _layout_of(self, block: int) -> tuple[np.ndarray, np.ndarray]:
         """Block `block`'s source per position, and each position's rank among its source's."""
-        if block != self._block:
+        cached_block, layout = self._cached  # one attribute: the data thread and the loop both ask
+        if block != cached_block:
             order = WindowOrder(self.BLOCK, self.seed, -1 - block)(np.arange(self.BLOCK))
             sources = np.repeat(np.arange(len(self.counts)), self.counts)[order]
             ranks = np.zeros(self.BLOCK, dtype=np.int64)
             for s in range(len(self.counts)):
                 ranks[sources == s] = np.arange(self.counts[s])
-            self._block, self._layout = block, (sources, ranks)
-        return self._layout
+            layout = (sources, ranks)
+            self._cached = (block, layout)
+        return layout
 
 
 class TokenShards:

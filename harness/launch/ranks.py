@@ -24,7 +24,8 @@ from harness.fault_tolerance import LighthouseUnreachable
 from harness.launch.check import start_method
 from harness.launch.exit import exit_now_when_done
 from harness.launch.logs import setup_logging
-from harness.loop import NonFiniteLossError, run_rank
+from harness.loop import run_rank
+from harness.nonfinite import NonFiniteLossError
 from harness.plan import RunPlan
 
 log = logging.getLogger("harness")
