@@ -28,7 +28,7 @@ models must end with identical parameters, which shows they did the same work.
     python bench/overhead.py [--nproc 2] [--rounds 30] [--steps-per-round 10] [--count-steps 5]
                              [--model gpt|mlp] [--strategy full_shard] [hydra overrides ...]
     python bench/overhead.py --nproc 1        # one device: the plain module against a plain loop
-    python bench/overhead.py --smoke   # 2 ranks, mlp, 2 rounds x 2 steps: the whole path in seconds
+    python bench/overhead.py --smoke   # one rank, mlp, 2 rounds x 2 steps: the whole path in seconds
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from harness.plan import RunPlan
 from harness.profiling import DispatchCounter
 
 TARGET, OPS_TARGET = 1.03, 1.05
-SMOKE = ["--nproc", "2", "--rounds", "2", "--steps-per-round", "2", "--count-steps", "2", "--model", "mlp"]
+SMOKE = ["--nproc", "1", "--rounds", "2", "--steps-per-round", "2", "--count-steps", "2", "--model", "mlp"]
 
 
 def compose_config(args: argparse.Namespace) -> DictConfig:

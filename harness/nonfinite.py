@@ -59,7 +59,8 @@ class NonFiniteGuard:
         `error` and logging for `skip`."""
         if self.on_device:
             flag = self.flags[step % len(self.flags)]
-            flag.copy_(torch.isfinite(grad_norm).logical_not())
+            # 0·x is 0 for a finite x and NaN for NaN and ±inf: not finite in two ops (isfinite is four, + a not)
+            torch.ne(grad_norm * 0, 0, out=flag)
             self.optimizer.found_inf = flag
             return True
         finite = torch.isfinite(loss.detach()).all()
@@ -83,8 +84,8 @@ class NonFiniteGuard:
         if self.policy == "error":
             first = torch.tensor([bad[0] if bad else step + 1], device=self.flags.device)
             dist.all_reduce(first, op=dist.ReduceOp.MIN)  # every rank stops, or none
-            if first.item() <= step:
-                self._handle(step, [first.item(), *bad[1:]])
+            if (first_step := int(first.item())) <= step:
+                self._handle(step, [first_step])
         elif bad:
             self._handle(step, bad)
         return {metrics.TRAIN_SKIPPED_NONFINITE: len(bad)} if bad else {}

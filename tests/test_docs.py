@@ -193,6 +193,8 @@ REFUSED = {
 NOT_HERE = {
     "python train.py model=wide_mlp": "Configuration's example of a new option: conf/model/wide_mlp.yaml is the file "
     "the reader writes first",
+    "python train.py train.profile.enabled=true train.profile.memory_snapshot=true": "GPUs' example of CUDA's "
+    "memory snapshot, refused on a machine without CUDA (tests/test_config.py holds the refusal)",
 }
 
 
