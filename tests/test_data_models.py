@@ -20,6 +20,7 @@ from harness.config import register_configs
 from harness.data import TextTokens, TokenStream, build_data
 from harness.models import Llama, build_model, materialize
 from harness.models.llama import hf_name
+from harness.rng import seeded_generator
 
 from support import REPO
 
@@ -63,12 +64,16 @@ def test_micro_batches_of_a_step_hold_what_one_batch_of_their_sum_holds_rank_by_
 
 
 def test_stream_is_deterministic_and_resumes_from_its_position():
+    """Also in the same stream, whose next batch was already being read ahead (a heal, a resume
+    in a bench): the position it is set to wins."""
     a = stream(2, 1, 4)
     batches = [a.next_batch()[0] for _ in range(5)]
     b = stream(2, 1, 4)
     b.load_state_dict({"samples": 3 * 2 * 4})
     assert torch.equal(b.next_batch()[0], batches[3])
     assert a.state_dict() == {"samples": 5 * 2 * 4}
+    a.load_state_dict({"samples": 1 * 2 * 4})
+    assert torch.equal(a.next_batch()[0], batches[1]) and torch.equal(a.next_batch()[0], batches[2])
 
 
 def test_position_carries_over_to_another_world_size_without_gaps_or_repeats():
@@ -82,10 +87,19 @@ def test_position_carries_over_to_another_world_size_without_gaps_or_repeats():
 
 
 def test_synthetic_tokens_follow_a_learnable_pattern():
+    """The walk, drawn without a loop over positions, is the per-position recurrence it replaced:
+    token t is a fresh draw where the noise breaks the walk, else perm[token t-1]."""
     source = stream(1, 0, 1).source
     seqs = source.samples(0, 64, 65)
     follows = (seqs[:, 1:] == source.next_token[seqs[:, :-1]]).float().mean().item()
     assert 0.85 < follows < 0.95  # noise=0.1 breaks about one token in ten
+    for index, seq in enumerate(seqs[:4].tolist()):
+        g = seeded_generator(3, index)  # the sample's own stream: start, breaks, fresh tokens
+        walk = [torch.randint(256, (1,), generator=g).item()]
+        breaks, fresh = torch.rand(65, generator=g) < 0.1, torch.randint(256, (65,), generator=g)
+        for t in range(1, 65):
+            walk.append(fresh[t].item() if breaks[t] else source.next_token[walk[-1]].item())
+        assert seq == walk
 
 
 def test_text_corpus_is_cached_once_and_windows_do_not_overlap(tmp_path):
