@@ -338,7 +338,7 @@ def report(cfg, env, results, job_info, steps_per_round, command, compile_backen
 def run_gpu_tests() -> int:
     """`pytest -m gpu` (tests/test_cuda.py), as the quick form's last part."""
     print("## pytest -m gpu", flush=True)
-    return subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:xdist"], cwd=REPO).returncode
+    return subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-n", "0"], cwd=REPO).returncode
 
 
 def main() -> None:

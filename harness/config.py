@@ -422,7 +422,7 @@ class ShardingConf:
 
 @dataclass
 class FaultToleranceConf:
-    """Replica groups that survive each other (harness/fault_tolerance.py; docs/failures.md; needs the ft extra)."""
+    """Replica groups that survive each other (harness/fault_tolerance/; docs/failures.md; needs the ft extra)."""
 
     mode: FaultToleranceMode = MISSING  # each fault_tolerance/<option>.yaml sets it
     min_replicas: int = 1  # replica groups a sync needs; with fewer the survivors wait at the quorum

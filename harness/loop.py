@@ -23,7 +23,9 @@ from harness.checkpoint import Checkpointer, checkpoint_dir, load
 from harness.config import plain
 from harness.data import TokenStream
 from harness.dist import DistEnv, init_distributed, mean_over_ranks, node_of_each_rank, teardown
-from harness.fault_tolerance import PeersFinished, ReplicaGroup, TorchftLink, group_outputs
+from harness.fault_tolerance.link import TorchftLink
+from harness.fault_tolerance.outputs import PeersFinished, group_outputs
+from harness.fault_tolerance.replica_group import ReplicaGroup
 from harness.job import Job, build_job
 from harness.mesh import describe_replicas
 from harness.nonfinite import NonFiniteGuard

@@ -666,17 +666,13 @@ def test_config_and_report_do_not_load_torch_distributed():
 
 
 def module_imports(name: str, path: Path, modules: set[str]) -> set[str]:
-    """The harness modules `name` (at `path`) imports when it is imported: its top-level imports, those
-    under `if TYPE_CHECKING:` included (an import kept there to dodge a cycle still is one), with the
-    packages they run (`from harness.a.b import c` runs harness/a/__init__.py); not imports inside functions."""
+    """The harness modules `name` (at `path`) imports: every import statement in it, those under
+    `if TYPE_CHECKING:` and inside functions included (an import moved there to dodge a cycle still is
+    one), with the packages they run (`from harness.a.b import c` runs harness/a/__init__.py)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    body = list(ast.parse(path.read_text()).body)
-    while body:
-        node = body.pop()
-        if isinstance(node, (ast.If, ast.Try)):
-            body += node.body + node.orelse + [n for h in getattr(node, "handlers", []) for n in h.body]
-        elif isinstance(node, ast.Import):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""

@@ -14,7 +14,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # as `python train.py` would
 
-from harness.fault_tolerance import ReplicaGroup  # noqa: E402
+from harness.fault_tolerance.replica_group import ReplicaGroup  # noqa: E402
 
 DIE_AT_STEP = int(os.environ["HARNESS_TEST_DIE_AT_STEP"])
 before_step = ReplicaGroup.before_step

@@ -1,0 +1,139 @@
+"""`fault_tolerance=torchft`'s rules and the settings its parts share: whether it is on,
+what `validate` refuses, the lighthouse's join timeout, torchft's log level, and under
+torchrun which replica group this torchrun is. Light: no torch.distributed, no checkpoints."""
+
+from __future__ import annotations
+
+import logging
+import os
+from urllib.parse import urlparse
+
+from omegaconf import DictConfig
+
+from harness.config import ConfigError
+
+NEEDS_TORCHFT = 'Fix: pip install -e ".[ft]" (torchft), or fault_tolerance=none.'
+REPLICA_GROUP_ID = "REPLICA_GROUP_ID"  # torchft's launcher convention: this rank's replica group
+NUM_REPLICA_GROUPS = "NUM_REPLICA_GROUPS"
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+# =1: a heal's sender and receiver log a SHA-256 digest of the whole state, to check that it arrived
+# bit for bit (it reads every byte twice on each side, so it is off by default)
+
+
+def enabled(cfg: DictConfig) -> bool:
+    return cfg.get("fault_tolerance") is not None and cfg.fault_tolerance.mode == "torchft"
+
+
+def config_errors(cfg: DictConfig, replicas: int | None) -> list[str]:
+    """Why `cfg` cannot run fault-tolerant on `replicas` replica groups (None: the mesh is unknown)."""
+    if not enabled(cfg):
+        return []
+    ft, errors = cfg.fault_tolerance, []
+    quiet_torchft()  # before torchft's first import: its Rust side reads RUST_LOG then
+    try:
+        import torchft  # noqa: F401
+    except ImportError as e:
+        errors.append(
+            f"fault_tolerance=torchft needs the torchft package, which does not import ({e}). {NEEDS_TORCHFT}"
+        )
+    if replicas is not None and replicas < 2:
+        errors.append(
+            f"fault_tolerance=torchft with {replicas} replica (sharding={cfg.sharding.strategy}): a replica group "
+            "survives only by its peers, so there must be at least 2. Fix: sharding=no_shard with 2 or more ranks, "
+            "or sharding=hybrid_shard sharding.replicate=2 (or more), or fault_tolerance=none."
+        )
+    if ft.min_replicas < 1 or (replicas is not None and ft.min_replicas > replicas):
+        errors.append(
+            f"fault_tolerance.min_replicas={ft.min_replicas} must be between 1 and the {replicas} replica groups: "
+            "with more, no quorum ever forms and training waits forever. Fix: fault_tolerance.min_replicas=1 "
+            "(survivors train on alone) up to the replica count."
+        )
+    if ft.lighthouse is not None:
+        url = urlparse(str(ft.lighthouse))
+        try:
+            port = url.port
+        except ValueError:
+            port = None
+        if url.scheme not in ("http", "https") or not url.hostname or port is None:
+            errors.append(
+                f"fault_tolerance.lighthouse={ft.lighthouse!r} is not a lighthouse URL (http://host:port). Fix: the "
+                "address torchft_lighthouse prints, e.g. fault_tolerance.lighthouse=http://node0:29510, or null to "
+                "have the launcher start one."
+            )
+    if cfg.sharding.strategy == "ddp":
+        errors.append(
+            "sharding=ddp with fault_tolerance=torchft: DDP's communication hook crosses replicas outside the "
+            "replica link. Fix: sharding=no_shard (one replica per rank) or hybrid_shard."
+        )
+    target = cfg.averager.get("_target_")
+    if target is None:
+        errors.append(
+            "averager=none with fault_tolerance=torchft: synchronous training crosses replicas at every step, so "
+            "one lost group stalls every step; replica groups pay off with local SGD. "
+            "Fix: averager=periodic or averager=diloco."
+        )
+    elif "Hierarchical" in str(target):
+        errors.append(
+            "averager=hierarchical with fault_tolerance=torchft: it averages within fixed subsets of replicas, "
+            "which a quorum that changes at run time cannot keep. Fix: averager=periodic or averager=diloco."
+        )
+    for key in ("quorum_timeout_s", "timeout_s", "heartbeat_timeout_s", "join_timeout_s"):
+        if ft[key] is not None and not ft[key] > 0:
+            errors.append(f"fault_tolerance.{key}={ft[key]} must be positive. Fix: a number of seconds, e.g. 60.")
+    if ft.max_restarts < 0:
+        errors.append(f"fault_tolerance.max_restarts={ft.max_restarts} must be >= 0. Fix: 0 for no restarts.")
+    return errors
+
+
+def join_timeout_s(ft: DictConfig, groups: int) -> float:
+    """How long the lighthouse waits for late groups once a quorum is possible (`fault_tolerance.join_timeout_s`).
+    A quorum needs more than half of the groups that beat: with 2 groups a live one is never left out for
+    being late, so a short wait only spares the survivor the dead group's heartbeat timeout after a failure
+    (bench/faults.py); with 3 or more a short wait leaves late live groups out (docs/failures.md)."""
+    if ft.join_timeout_s is not None:
+        return ft.join_timeout_s
+    return 0.2 if groups == 2 else 10.0
+
+
+def quiet_torchft() -> None:
+    """torchft logs every quorum and commit at INFO and warns at every reconfiguration on CPU (no NCCL
+    flight recorder): errors only (its Rust side through RUST_LOG), so a group's joins, leaves, heals
+    and failed exchanges are the harness's own log lines."""
+    os.environ.setdefault("RUST_LOG", "error")
+    for name in ("torchft", "torchft_commits", "torchft_quorums", "torchft_errors"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def torchrun_groups(cfg: DictConfig) -> tuple[int, int]:
+    """Under torchrun, one torchrun is one replica group: (its replica id, the number of groups),
+    from `fault_tolerance.replica_id` or REPLICA_GROUP_ID, and NUM_REPLICA_GROUPS."""
+    replica_id = cfg.fault_tolerance.replica_id
+    if replica_id is None and REPLICA_GROUP_ID in os.environ:
+        replica_id = int(os.environ[REPLICA_GROUP_ID])
+    groups = int(os.environ.get(NUM_REPLICA_GROUPS, 0))
+    problems = []
+    if replica_id is None:
+        problems.append(f"no replica id (fault_tolerance.replica_id, or {REPLICA_GROUP_ID} in the environment)")
+    if groups < 2:
+        problems.append(f"{NUM_REPLICA_GROUPS}={os.environ.get(NUM_REPLICA_GROUPS)} (must be the replica groups, >= 2)")
+    elif replica_id is not None and not 0 <= replica_id < groups:
+        problems.append(f"replica id {replica_id} outside 0..{groups - 1}")
+    if problems:
+        raise ConfigError(
+            "fault_tolerance=torchft under torchrun: each torchrun is one replica group, but "
+            + "; ".join(problems)
+            + f". Fix: start every group's torchrun with {REPLICA_GROUP_ID}=<0..R-1> {NUM_REPLICA_GROUPS}=<R> and "
+            f"{LIGHTHOUSE_ENV}=<lighthouse URL> in its environment (docs/failures.md)."
+        )
+    return replica_id, groups
+
+
+def check_group_world(plan, group_world_size: int) -> None:
+    """A torchrun's ranks must be exactly one replica of the mesh."""
+    if plan.shard != group_world_size:
+        raise ConfigError(
+            f"fault_tolerance=torchft under torchrun: this torchrun has {group_world_size} ranks, but the mesh "
+            f"({plan.replicate} replicas x {plan.shard} ranks over {plan.world_size}) has replicas of {plan.shard}; "
+            "each torchrun must be one replica group. Fix: sharding=no_shard for one rank per group, or "
+            "sharding=hybrid_shard with sharding.replicate=null (one replica per torchrun)."
+        )

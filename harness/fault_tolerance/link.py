@@ -1,0 +1,172 @@
+"""`TorchftLink`: the replica link over torchft's Manager (harness/averaging/link.py's
+protocol): the replicas are the replica groups in the current quorum, `begin()` is a quorum
+(which heals this group when it is behind), `commit()` is `should_commit`."""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions, ReduceOp
+
+from harness.fault_tolerance.config_rules import LIGHTHOUSE_ENV, quiet_torchft
+
+log = logging.getLogger(__name__)
+
+
+class _Reported:
+    """A collective of the Manager's process group whose failure (a lost peer, a
+    timeout) is reported to the Manager instead of raised: the exchange then
+    does not commit, and the group trains on.
+
+    The first failure also lets go of this group's end of the process group at
+    once, not at the next quorum: a gloo ring member whose neighbour died fails
+    at once, but the live groups further along the ring wait on it, and they
+    hear of the failure only when its connections close. Gloo's abort() does
+    not close them; the context's destruction, when no work holds it any more,
+    does (4 gloo ranks, one SIGKILLed mid-allreduce: the rank two places behind
+    failed after the full timeout without this, after 0.08 s with it)."""
+
+    def __init__(self, link: TorchftLink, start):
+        self.link, self.work = link, None
+        if link.manager.errored() is None:
+            try:
+                self.work = start()
+            except Exception as e:  # the group is broken: report, let the commit say no
+                self._report(e)
+
+    def wait(self) -> None:
+        if self.work is not None:
+            try:
+                self.work.wait()
+            except Exception as e:
+                self._report(e)
+            self.work = None
+
+    def _report(self, e: Exception) -> None:
+        self.work = None
+        if self.link.manager.errored() is not None:  # reported and released already
+            return
+        log.warning("a cross-replica collective failed (%s: %s): this exchange will not commit", type(e).__name__, e)
+        self.link.manager.report_error(e)
+        self.link.pg.shutdown()  # torchft's wrappers drop the process group; the next quorum configures a new one
+
+
+class LighthouseUnreachable(RuntimeError):
+    """The lighthouse did not answer; the message names it and the fix (no restart helps)."""
+
+
+def forget_previous_manager(group_rank: int) -> None:
+    """The Manager publishes its address in the group's rendezvous store; torchrun keeps that store
+    across its restarts, so a restarted group would find the dead attempt's address there. The
+    group's first rank deletes it before any rank creates its Manager."""
+    from torchft.manager import MANAGER_ADDR_KEY, REPLICA_ID_KEY
+
+    if group_rank == 0:
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, wait_for_workers=False
+        )
+        for key in (MANAGER_ADDR_KEY, REPLICA_ID_KEY):
+            store.delete_key(key)
+    dist.barrier()
+
+
+PLACE_STRIDE = 2**32  # a Manager step is commits * this + steps: more commits always rank first
+
+
+class TorchftLink:
+    """The replica link over torchft's Manager: the replicas are the replica groups in
+    the current quorum; `begin()` is a (synchronous) quorum, which heals this group
+    when it is behind; `commit()` is `should_commit`."""
+
+    needs_commit = True
+
+    def __init__(self, ft: DictConfig, replica_id: int, group_rank: int, group_world_size: int, device: torch.device):
+        self.commits = 0  # exchanges this group committed (the heal state and checkpoints carry it)
+        quiet_torchft()
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupBabyNCCL, ProcessGroupGloo
+
+        forget_previous_manager(group_rank)
+        timeout = timedelta(seconds=ft.timeout_s)
+        self.pg = ProcessGroupBabyNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        lighthouse = ft.lighthouse or os.environ.get(LIGHTHOUSE_ENV)
+        try:
+            self.manager = Manager(
+                pg=self.pg,
+                load_state_dict=None,
+                state_dict=None,
+                min_replica_size=ft.min_replicas,
+                use_async_quorum=False,  # a heal completes inside the quorum, before the step runs
+                timeout=timeout,
+                quorum_timeout=timedelta(seconds=ft.quorum_timeout_s),
+                connect_timeout=timeout,
+                rank=group_rank,
+                world_size=group_world_size,
+                lighthouse_addr=lighthouse,
+                replica_id=str(replica_id),
+                init_sync=False,  # every group starts from the same seeded weights
+            )
+        except RuntimeError as e:
+            if "failed to connect" not in str(e):
+                raise
+            raise LighthouseUnreachable(
+                f"fault_tolerance: the torchft lighthouse at {lighthouse} (fault_tolerance.lighthouse, or "
+                f"{LIGHTHOUSE_ENV}) did not answer within fault_tolerance.timeout_s={ft.timeout_s} s "
+                f"({str(e).split(';')[0]}). Fix: start it (torchft_lighthouse --min_replicas 1) and pass the "
+                "address it prints, or leave fault_tolerance.lighthouse=null to have the launcher start one."
+            ) from None
+
+    def size(self) -> int:
+        return self.manager.num_participants()
+
+    def all_reduce(self, tensor: torch.Tensor) -> _Reported:
+        opts = AllreduceOptions()
+        opts.reduceOp = ReduceOp.SUM
+        return _Reported(self, lambda: self.pg.allreduce([tensor], opts))
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor) -> _Reported:
+        return _Reported(self, lambda: self.pg.alltoall_base(output, input, [], [], AllToAllOptions()))
+
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor) -> _Reported:
+        return _Reported(self, lambda: self.pg.allgather_into_tensor_coalesced([output], [input], AllgatherOptions()))
+
+    def sum_over_replicas(self, tensor: torch.Tensor) -> None:
+        self.all_reduce(tensor).wait()
+
+    def begin(self, steps_done: int = 0) -> None:
+        """A quorum at the start of the step after `steps_done` steps. torchft heals the groups
+        whose Manager step is below the quorum's highest, so that step is set here to this group's
+        place: its committed exchanges, then its steps. A group that missed a commit, and a
+        restarted group (from scratch or from its own older checkpoint), are behind every live
+        peer and so are healed; groups at the same place are not."""
+        place = self.commits * PLACE_STRIDE + steps_done
+        self.manager.load_state_dict({"step": place, "batches_committed": self.manager.batches_committed()})
+        self.manager.start_quorum()
+
+    def reform(self) -> None:
+        """A quorum of the last one's members still alive, without heals (torchft's shrink_only), to redo
+        an exchange that did not commit inside its step: a group outside it would need a heal, and a
+        heal mid-step would send state that is half this step's."""
+        self.manager.start_quorum(allow_heal=False, shrink_only=True)
+
+    def commit(self) -> bool:
+        committed = self.manager.should_commit()
+        self.commits += committed
+        return committed
+
+    def failed(self) -> bool:
+        return self.manager.errored() is not None
+
+    def state_dict(self) -> dict:
+        return {"commits": self.commits}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.commits = state["commits"]
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)

@@ -1,0 +1,238 @@
+"""`ReplicaGroup`: one replica group's side of fault tolerance for the Trainer (the quorum
+at the start of each step that crosses replicas, the ft/* metrics) and the heal state a live
+peer sends from memory."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.tensor import DTensor
+
+from harness import metrics
+from harness.checkpoint.checkpointer import tensor_state
+from harness.checkpoint.replicas import inner_optimizer
+from harness.dist import local_view
+from harness.fault_tolerance.link import TorchftLink
+from harness.fault_tolerance.outputs import FINISHED, PeersFinished, finished_peer
+from harness.rng import seed_rank
+
+log = logging.getLogger(__name__)
+
+# =1: a heal's sender and receiver log a SHA-256 digest of the whole state, to check that it arrived
+# bit for bit (it reads every byte twice on each side, so it is off by default)
+HEAL_DIGEST_ENV = "HARNESS_HEAL_DIGEST"
+
+
+class ReplicaGroup:
+    """One replica group's side of fault tolerance, for the Trainer: the quorum at
+    the start of each step that crosses replicas (and of the first step a group
+    runs, which is how a restarted group joins), the heal state, the ft/* metrics."""
+
+    def __init__(
+        self, trainer, link: TorchftLink, replica_id: int, shard: int, seed: int, alone_after_s: float, outputs: Path
+    ):
+        self.trainer, self.link, self.replica_id = trainer, link, replica_id
+        self.shard, self.seed, self.alone_after_s, self.outputs = shard, seed, alone_after_s, outputs
+        self.restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0  # the launcher's and torchrun's
+        self.heals, self.replicas, self.joined = 0, None, False
+        self.row: dict = {}
+        link.manager.register_state_dict_fn("harness", self._load_heal_state, self._heal_state)
+
+    def before_step(self) -> None:
+        """Open a quorum if the coming step crosses replicas (or is this group's first):
+        a heal here replaces every part of the job, the trainer's step included."""
+        averager = self.trainer.job.cross_replica.averager
+        if self.joined and not averager.crosses_replicas():
+            return
+        heals = self.heals
+        self._quorum(lambda: self.link.begin(self.trainer.state.step) if self.joined else self._join())
+        self.joined = True
+        if self.heals > heals:
+            self.row[metrics.FT_HEAL_TIME] = self.row[metrics.FT_QUORUM_TIME]
+
+    def complete_the_last_exchange(self) -> None:
+        """At the run's last step, redo its exchange if it did not commit (a group was lost in it): no
+        later sync would take its window in, so each survivor would end with a model of its own. The
+        survivors redo it among themselves (`TorchftLink.reform`); a group restarted meanwhile finds
+        them finished and stops. Each retry follows a loss, so there are at most as many as groups."""
+        averager, step = self.trainer.job.cross_replica.averager, self.trainer.state.step + 1
+        for _ in range(self.replicas):
+            if averager.uncommitted is None:
+                return
+            self._quorum(self.link.reform)
+            log.warning(
+                "step %d: the last exchange did not commit; redoing it among the %d replica groups left",
+                step,
+                self.replicas,
+            )
+            averager.redo_uncommitted()
+        if averager.uncommitted is not None:
+            log.warning("step %d: the last exchange did not commit again: each group ends with its own model", step)
+
+    def _quorum(self, open_quorum) -> None:
+        """Open a quorum with `open_quorum`; log a change in its size; its time adds to this step's ft/quorum_s."""
+        start = time.perf_counter()
+        open_quorum()
+        replicas = self.link.size()
+        if self.replicas is not None and replicas != self.replicas:
+            change = "joined" if replicas > self.replicas else "left"
+            log.warning("replica group(s) %s: %d in the quorum (was %d)", change, replicas, self.replicas)
+        self.replicas = replicas
+        self.row[metrics.FT_QUORUM_TIME] = self.row.get(metrics.FT_QUORUM_TIME, 0.0) + time.perf_counter() - start
+
+    def _join(self) -> None:
+        """A group's first quorum, at its (re)start: repeated until it holds another group (then a
+        group that is behind has been healed), or `fault_tolerance.quorum_timeout_s` has passed with none. The
+        lighthouse gives a lone asker a quorum of its own once the others' wait is over, or at
+        once while no other group's Manager is up; a group that took that would train on alone,
+        out of step with its peers, and hold up their quorums. Groups started together meet here,
+        and a restarted group waits here for its peers' next quorum, unless they have finished."""
+        deadline = time.monotonic() + self.alone_after_s
+        while True:
+            if self.restarted:
+                self._stop_if_a_peer_finished()
+            heals = self.heals
+            self.link.begin(self.trainer.state.step)
+            if self.link.size() > 1 or self.heals > heals or time.monotonic() > deadline:
+                return
+            time.sleep(0.2)
+
+    def _stop_if_a_peer_finished(self) -> None:
+        """Raise PeersFinished if a peer has trained every step (read by the group's first rank, on a file
+        system its peers write to: one machine, or a shared run dir; elsewhere the group waits as before)."""
+        found = [finished_peer(self.outputs.parent, self.replica_id, self.trainer.cfg.steps)]
+        dist.broadcast_object_list(found, src=0)  # every rank of the group stops, or none
+        if found[0] is not None:
+            peer, step = found[0]
+            raise PeersFinished(
+                f"replica group {self.replica_id} restarted after replica group {peer} finished training (step "
+                f"{step}): no peer is left to heal from, and the run's model is theirs, so it stops at step "
+                f"{self.trainer.state.step} (its newest checkpoint)"
+            )
+
+    def finish(self) -> None:
+        """This group has trained every step: say so in its outputs, for a peer that restarts after it exits."""
+        if dist.get_rank() == 0:
+            (self.outputs / FINISHED).write_text(json.dumps({"step": self.trainer.state.step}))
+
+    def gradients_committed(self) -> bool:
+        """A warmup step's gradient exchange succeeded with enough replica groups (else the step is skipped)."""
+        return not self.trainer.job.cross_replica.averager.synchronous or self.link.commit()
+
+    def step_metrics(self) -> dict:
+        """This step's ft/* figures (the quorum's, if one opened), then reset."""
+        row, self.row = {**self.row, metrics.FT_REPLICAS: self.replicas or 0, metrics.FT_HEALS: self.heals}, {}
+        return row
+
+    def _heal_state(self) -> dict:
+        """What a live peer sends a group it heals: the job's state at the start of this step, as
+        local tensors (ranks with the same shard index hold the same slices), copied, because
+        the transfer reads them while this group trains on."""
+        state = self._state()
+        if os.environ.get(HEAL_DIGEST_ENV) == "1":
+            log.info("sending the heal state of step %d (digest %s)", state["step"], digest(state))
+        return state
+
+    def _state(self) -> dict:
+        job = self.trainer.job
+        parts = job.checkpoint_parts()
+        return _detached(
+            {
+                "step": self.trainer.state.step,
+                "model": {fqn: local_view(p) for fqn, p in job.model.named_parameters()},
+                "optim": get_optimizer_state_dict(job.model, inner_optimizer(job.optimizer)),
+                "parts": {name: part.state_dict() for name, part in parts.items()},
+                "part_tensors": {name: tensor_state(part) for name, part in parts.items()},
+            }
+        )
+
+    @torch.no_grad()
+    def _load_heal_state(self, state: dict) -> None:
+        """Take a peer's heal state: every value is the peer's, bit for bit; the data
+        position is global, so this group reads its own samples from it, and its RNG
+        is seeded from the step and its ranks."""
+        job, step = self.trainer.job, state["step"]
+        for fqn, p in job.model.named_parameters():
+            local_view(p).copy_(state["model"][fqn])
+        params = dict(job.model.named_parameters())
+        optim = _in_layout(state["optim"], params)
+        set_optimizer_state_dict(job.model, inner_optimizer(job.optimizer), optim)
+        parts = job.checkpoint_parts()
+        for name, part in parts.items():
+            part.load_state_dict({"step": step, **state["parts"][name]})
+        for name, part in parts.items():
+            tensors = tensor_state(part)
+            if tensors:
+                _copy_into(tensors, state["part_tensors"][name])
+                part.load_tensor_state_dict(tensors)
+        self.trainer.state.step = step
+        rank = self.replica_id * self.shard + dist.get_rank()
+        seed_rank(self.seed + step, rank)
+        self.heals += 1
+        if os.environ.get(HEAL_DIGEST_ENV) == "1":  # the state as this group now holds it, against the sender's
+            log.info("healed from a live peer at step %d (digest %s)", step, digest(self._state()))
+        else:
+            log.info("healed from a live peer at step %d", step)
+
+
+def digest(state) -> str:
+    """A short hash of a state tree's values, bit for bit (tensors by their bytes, in tree order)."""
+    h = hashlib.sha256()
+
+    def walk(value) -> None:
+        if isinstance(value, dict):
+            for key in sorted(value, key=str):
+                h.update(str(key).encode())
+                walk(value[key])
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                walk(item)
+        elif torch.is_tensor(value):
+            h.update(str(value.dtype).encode())
+            h.update(value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        else:
+            h.update(repr(value).encode())
+
+    walk(state)
+    return h.hexdigest()[:16]
+
+
+def _detached(state):
+    if isinstance(state, dict):
+        return {k: _detached(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_detached(v) for v in state)
+    if torch.is_tensor(state):
+        return local_view(state).detach().clone()
+    return state
+
+
+def _in_layout(optim: dict, params: dict) -> dict:
+    """A sent optimizer state dict (local tensors) with each parameter-shaped state
+    laid out as its parameter (DTensors under FSDP2), for `set_optimizer_state_dict`."""
+    state = {}
+    for fqn, values in optim["state"].items():
+        p = params[fqn]
+        state[fqn] = {
+            k: DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+            if isinstance(p, DTensor) and torch.is_tensor(v) and v.shape == local_view(p).shape and v.dim() > 0
+            else v
+            for k, v in values.items()
+        }
+    return {"state": state, "param_groups": optim["param_groups"]}
+
+
+def _copy_into(target: dict, sent: dict) -> None:
+    for key, value in target.items():
+        if isinstance(value, dict):
+            _copy_into(value, sent[key])
+        elif torch.is_tensor(value):
+            local_view(value).copy_(sent[key])
