@@ -61,14 +61,40 @@ def group_checkpoint_config(cfg: DictConfig, replica_id: int) -> DictConfig:
     return group
 
 
+def step_of(path: Path) -> int:
+    """The step of a `step_<N>` checkpoint directory."""
+    return int(STEP_DIR.match(path.name).group(1))
+
+
+def group_checkpoints(cfg: DictConfig, run_dir: Path) -> dict[int, list[Path]]:
+    """Every replica group's complete checkpoints (oldest first) under `run_dir` (fault_tolerance=torchft's
+    layout), by replica id; {} for a run without replica groups."""
+    root = Path(os.path.expanduser(cfg.dir)) if cfg.dir else run_dir
+    groups = sorted(int(m.group(1)) for p in root.glob("replica_group_*") if (m := GROUP_DIR.match(p.name)))
+    return {
+        r: complete_checkpoints(checkpoint_dir(group_checkpoint_config(cfg, r), group_dir(run_dir, r))) for r in groups
+    }
+
+
 def run_resume_path(cfg: DictConfig, run_dir: Path, replica_groups: bool) -> Path | None:
     """The checkpoint the run resumes from, for what is decided before any rank starts (nothing
-    left to train, the resume warnings, the architecture). With `replica_groups`
-    (fault_tolerance=torchft) each group resumes its own newest one and the first quorum heals the
-    groups behind from the furthest, so the run resumes where its furthest group is."""
-    if not replica_groups or cfg.resume != "auto":
+    left to train, the resume warnings, the architecture). With `checkpoint.resume=auto` it is the
+    run's newest whichever layout saved it: with `replica_groups` (fault_tolerance=torchft) each
+    group resumes its own newest and the first quorum heals the groups behind from the furthest, so
+    the run resumes where its furthest group is; a run of one world resumes its own newest. Either
+    takes the other layout's when the run dir holds only that (`group_resume_path` for a group)."""
+    if cfg.resume != "auto":
         return resume_path(cfg, run_dir)
-    root = Path(os.path.expanduser(cfg.dir)) if cfg.dir else run_dir
-    groups = [int(m.group(1)) for p in root.glob("replica_group_*") if (m := GROUP_DIR.match(p.name))]
-    found = [resume_path(group_checkpoint_config(cfg, r), group_dir(run_dir, r)) for r in groups]
-    return max(filter(None, found), key=lambda p: int(STEP_DIR.match(p.name).group(1)), default=None)
+    own = resume_path(cfg, run_dir)
+    furthest = max((done[-1] for done in group_checkpoints(cfg, run_dir).values() if done), key=step_of, default=None)
+    return (furthest or own) if replica_groups else (own or furthest)
+
+
+def group_resume_path(cfg: DictConfig, run_dir: Path, replica_id: int) -> Path | None:
+    """The checkpoint replica group `replica_id` resumes from: its own newest; when no group has
+    one and `checkpoint.resume=auto`, the newest a run of one world saved in `run_dir` (every group
+    starts from it); else none (the group starts fresh and the first quorum heals it)."""
+    own = resume_path(group_checkpoint_config(cfg, replica_id), group_dir(run_dir, replica_id))
+    if own is not None or cfg.resume != "auto" or any(group_checkpoints(cfg, run_dir).values()):
+        return own
+    return resume_path(cfg, run_dir)

@@ -440,6 +440,9 @@ class FaultToleranceConf:
     # live group is never left out (one group is not more than half of two), else 10 s
     join_timeout_s: Optional[float] = None
     max_restarts: int = 3  # restarts of each replica group the launcher allows (torchrun: its --max-restarts)
+    # exchanges across replica groups in a row that may fail to commit (each within timeout_s) before the run
+    # stops: a run whose exchanges never commit trains nothing
+    max_failed_exchanges: int = 5
 
 
 # --- checkpoint / wandb ---------------------------------------------------------

@@ -7,7 +7,9 @@ that `transformers.AutoModelForCausalLM.from_pretrained` loads, for models with
 Hugging Face's layout (`model=llama`, `model=hf`). The checkpoint is read the
 way a resume on one process reads it (harness.checkpoint.load), so `full` and
 `sharded` checkpoints both export; replicas that had diverged (post-local SGD,
-DiLoCo) export as their mean, and the command says so. The tokenizer the run
+DiLoCo) export as their mean, and the command says so. A fault-tolerant run's
+replica groups export as the mean of their checkpoints at their newest common
+step (`--group <r>`: one group's newest). The tokenizer the run
 trained with (`data.path`'s, else `model.init_from`'s) is written next to the
 weights, with its special tokens' ids in config.json and generation_config.json.
 `export.json` records the source checkpoint, its step, the replicas averaged
@@ -22,10 +24,12 @@ import logging
 import sys
 from pathlib import Path
 
+import torch
 from omegaconf import OmegaConf
 
 from harness.checkpoint import CheckpointError, checkpoint_dir, complete_checkpoints, load
 from harness.checkpoint.files import read_meta
+from harness.checkpoint_paths import group_checkpoints, step_of
 from harness.config import ConfigError, SyntheticDataConf
 from harness.dist import init_distributed, teardown
 from harness.job import build_job
@@ -33,18 +37,40 @@ from harness.models.hf_weights import save_hf_weights
 from harness.plan import RunPlan
 
 
-def find_checkpoint(source: Path) -> Path:
-    """The checkpoint `source` names: a step_<N> dir, or the newest complete one under a
-    checkpoints dir or a run dir (its checkpoint.dir from .hydra/config.yaml)."""
+def find_checkpoints(source: Path, group: int | None = None) -> list[Path]:
+    """The checkpoint(s) `source` names: a step_<N> dir, or the newest complete one under a
+    checkpoints dir or a run dir (its checkpoint.dir from .hydra/config.yaml). A run with replica
+    groups (fault_tolerance=torchft): each group's checkpoint at their newest common complete step
+    (to be averaged), or `group`'s newest alone."""
+    if not source.exists():
+        raise ConfigError(
+            f"{str(source)!r} does not exist. Fix: pass a run directory (outputs/<date>/<time>), its checkpoints "
+            "directory, or one step_<N> directory."
+        )
     if (source / "meta.json").is_file():
-        return source
-    roots = [source]
+        return [source]
     run_config = source / ".hydra" / "config.yaml"
-    if run_config.is_file():
-        roots.insert(0, checkpoint_dir(OmegaConf.load(run_config).checkpoint, source))
-    for root in roots:
+    checkpoint = OmegaConf.load(run_config).checkpoint if run_config.is_file() else OmegaConf.create({"dir": None})
+    groups = {r: done for r, done in group_checkpoints(checkpoint, source).items() if done}
+    if group is not None:
+        if group not in groups:
+            raise ConfigError(
+                f"{str(source)!r} has no replica group {group} with a complete checkpoint (groups with one: "
+                f"{sorted(groups) or 'none'}). Fix: name one of them, or leave the group out for their mean."
+            )
+        return [groups[group][-1]]
+    if groups:
+        steps = set.intersection(*({step_of(p) for p in done} for done in groups.values()))
+        if not steps:
+            newest = ", ".join(f"group {r}: step {step_of(done[-1])}" for r, done in groups.items())
+            raise ConfigError(
+                f"{str(source)!r}: its replica groups saved no step in common ({newest}), so there is no one model "
+                "to take. Fix: name a group (export: --group <r>; generate: group=<r>)."
+            )
+        return [next(p for p in done if step_of(p) == max(steps)) for done in groups.values()]
+    for root in [checkpoint_dir(checkpoint, source), source]:
         if done := complete_checkpoints(root):
-            return done[-1]
+            return [done[-1]]
     raise ConfigError(
         f"{str(source)!r} holds no complete harness checkpoint (a step_<N> directory with a meta.json). "
         "Fix: pass a run directory whose run saved checkpoints (checkpoint.mode=full or sharded), its "
@@ -68,6 +94,11 @@ def tokenizer_dir(cfg) -> tuple[Path | None, str]:
         if (Path(path).expanduser() / "tokenizer.json").is_file():
             return Path(path).expanduser(), what
     return None, f"the run trained on {data._target_.rsplit('.', 1)[-1]} without a tokenizer file"
+
+
+def run_tokenizer(checkpoint: Path) -> tuple[Path | None, str]:
+    """`tokenizer_dir` of the run that saved `checkpoint` (its config in meta.json)."""
+    return tokenizer_dir(OmegaConf.create(read_meta(checkpoint)["config"]))
 
 
 def tokenizer_files(source: Path, vocab_size: int) -> tuple[dict, dict]:
@@ -95,8 +126,9 @@ def tokenizer_files(source: Path, vocab_size: int) -> tuple[dict, dict]:
     return files, {"bos_token_id": token_id("bos_token"), "eos_token_id": token_id("eos_token")}
 
 
-def export(source: Path, out: Path) -> dict:
-    """Export the checkpoint `source` names to `out`; returns what export.json records."""
+def export(source: Path, out: Path, group: int | None = None) -> dict:
+    """Export the checkpoint `source` names to `out` (the mean of a run's replica groups, or
+    `group`'s, `find_checkpoints`); returns what export.json records."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"the output {str(out)!r} is a file, not a directory. Fix: name a new or empty directory.")
     if out.exists() and any(out.iterdir()):
@@ -107,7 +139,8 @@ def export(source: Path, out: Path) -> dict:
             f"the output {str(out)!r} cannot be created: {str(existing)!r} is a file, not a directory. "
             "Fix: name a new or empty directory elsewhere."
         )
-    path = find_checkpoint(source)
+    paths = find_checkpoints(source, group)
+    path = paths[0]
     meta = read_meta(path)
     cfg = OmegaConf.create(meta["config"])
     # One process on CPU reads the checkpoint as a resume on another layout does.
@@ -130,8 +163,10 @@ def export(source: Path, out: Path) -> dict:
         logging.getLogger("harness.checkpoint").setLevel(logging.ERROR)
         load(path, job, rank=0)
         record = {"checkpoint": str(path.resolve()), "step": meta["step"], "replicas_averaged": meta["replica_copies"]}
-        saved = OmegaConf.create(meta["config"])  # the run's own data and init_from, not the stand-ins above
-        where, what = tokenizer_dir(saved)
+        if len(paths) > 1:  # replica groups: the mean of their models (equal right after a sync)
+            record.update(checkpoint=[str(p.resolve()) for p in paths], replica_groups=len(paths))
+            record["replicas_averaged"] = mean_of_checkpoints(job, paths)
+        where, what = run_tokenizer(path)  # the run's own data and init_from, not the stand-ins above
         notes, config = {"export.json": record}, job.model.hf_config()
         if where is not None:
             files, special = tokenizer_files(where, cfg.model.vocab_size)
@@ -148,22 +183,43 @@ def export(source: Path, out: Path) -> dict:
     return record
 
 
+@torch.no_grad()
+def mean_of_checkpoints(job, paths: list[Path]) -> int:
+    """Load the model of each checkpoint in `paths` (the first is loaded already) and keep their
+    mean; returns how many models were averaged: len(paths), or 1 when they were all equal (right
+    after a sync)."""
+    params = [p.data for p in job.model.parameters()]
+    first = [t.clone() for t in params]
+    total, differ = [t.clone() for t in params], False
+    for path in paths[1:]:
+        load(path, job, rank=0)
+        differ |= any(not torch.equal(a, b) for a, b in zip(first, params))
+        torch._foreach_add_(total, params)
+    torch._foreach_copy_(params, torch._foreach_div(total, len(paths)))
+    return len(paths) if differ else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m harness.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("source", type=Path, help="a run directory, its checkpoints directory, or a step_<N> directory")
     parser.add_argument("out", type=Path, help="the Hugging Face checkpoint directory to write (new or empty)")
+    parser.add_argument(
+        "--group", type=int, default=None, help="a fault-tolerant run: this replica group's model, not their mean"
+    )
     args = parser.parse_args(argv)
     if given := [str(a) for a in (args.source, args.out) if str(a).startswith(("source=", "out="))]:
         parser.error(f"{' '.join(given)}: export takes two paths, not key=value overrides (it has no Hydra config)")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        record = export(args.source, args.out)
+        record = export(args.source, args.out, args.group)
     except (ConfigError, CheckpointError) as e:
         print(f"harness.export: {e}", file=sys.stderr)
         return 2
-    averaged = record["replicas_averaged"]
-    what = f"the mean of {averaged} diverged replicas" if averaged > 1 else "the model"
-    print(f"exported {what} at step {record['step']} of {record['checkpoint']} to {args.out}")
+    averaged, groups = record["replicas_averaged"], record.get("replica_groups")
+    kind = "replica groups" if groups else "replicas"
+    what = f"the mean of {averaged} diverged {kind}" if averaged > 1 else "the model"
+    where = f"its {groups} replica groups' checkpoints" if groups else record["checkpoint"]
+    print(f"exported {what} at step {record['step']} of {where} to {args.out}")
     if record["tokenizer"]:
         print(f"with the tokenizer the run trained with, {record['tokenizer']}")
     else:

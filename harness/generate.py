@@ -2,6 +2,9 @@
 
     python -m harness.generate <run dir, checkpoint dir or export dir> prompt="..." [key=value ...]
 
+`group=<r>`: of a fault-tolerant run, that replica group's model (default: the
+mean of the groups' at their newest common step, as `harness.export` takes).
+
 A run (or one of its checkpoints) is exported first (`harness.export`, into a
 temporary directory), then transformers' `generate` continues the prompt with
 the exported model and tokenizer, exactly as a user of the export would:
@@ -11,6 +14,7 @@ greedy with `temperature=0` (the default), else sampled with `temperature` and
 
 from __future__ import annotations
 
+import math
 import sys
 import tempfile
 from pathlib import Path
@@ -21,6 +25,7 @@ from harness.config import ConfigError
 # the keys, their types and defaults
 KEYS = {"prompt": (str, None), "max_new_tokens": (int, 64), "temperature": (float, 0.0), "top_p": (float, 1.0)}
 KEYS["seed"] = (int, 0)
+KEYS["group"] = (int, None)  # a fault-tolerant run: this replica group's model, not their mean
 
 
 def parse(args: list[str]) -> dict:
@@ -41,15 +46,22 @@ def parse(args: list[str]) -> dict:
         except ValueError:
             kind = KEYS[key][0].__name__
             raise ConfigError(f"{key}={value!r} is not a {kind}. Fix: e.g. {key}={KEYS[key][1]}.") from None
-    if values["prompt"] is None:
-        raise ConfigError('no prompt. Fix: prompt="def main(" (in quotes when it has spaces).')
-    if values["max_new_tokens"] < 1 or values["temperature"] < 0 or not 0 < values["top_p"] <= 1:
+    if not values["prompt"]:
+        given = "no prompt" if values["prompt"] is None else "prompt='' is empty: there is nothing to continue"
+        raise ConfigError(f'{given}. Fix: prompt="def main(" (in quotes when it has spaces).')
+    if not 0 <= values["seed"] < 2**63:
+        raise ConfigError(f"seed={values['seed']} is outside [0, 2**63) (torch's seeds). Fix: e.g. seed=0.")
+    sampling = values["temperature"], values["top_p"]
+    if values["max_new_tokens"] < 1 or not sampling[0] >= 0 or sampling[0] == math.inf or not 0 < sampling[1] <= 1:
         raise ConfigError(
             f"max_new_tokens={values['max_new_tokens']}, temperature={values['temperature']}, top_p={values['top_p']}: "
-            "max_new_tokens must be >= 1, temperature >= 0 (0 is greedy), top_p in (0, 1]. "
+            "max_new_tokens must be >= 1, temperature a finite number >= 0 (0 is greedy), top_p in (0, 1]. "
             "Fix: e.g. max_new_tokens=64 temperature=0.8 top_p=0.95."
         )
     return values
+
+
+NO_TOKENIZER_FIX = "Fix: train on data=tokens prepared by harness.prepare, which keeps its tokenizer."
 
 
 def generate(model_dir: Path, prompt: str, max_new_tokens: int, temperature: float, top_p: float, seed: int) -> str:
@@ -58,10 +70,7 @@ def generate(model_dir: Path, prompt: str, max_new_tokens: int, temperature: flo
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not (model_dir / "tokenizer.json").is_file():
-        raise ConfigError(
-            f"{str(model_dir)!r} has no tokenizer: the run trained on tokens without a tokenizer file (synthetic "
-            "data, byte-level text). Fix: train on data=tokens prepared by harness.prepare, which keeps its tokenizer."
-        )
+        raise ConfigError(f"{str(model_dir)!r} holds no tokenizer.json. {NO_TOKENIZER_FIX}")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     inputs = tokenizer(prompt, return_tensors="pt")
@@ -81,12 +90,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = parse(argv[1:])
         if (source / "config.json").is_file():  # an export (or any Hugging Face model directory)
+            settings.pop("group")
             print(generate(source, **settings))
             return 0
-        from harness.export import export
+        from harness.export import export, find_checkpoints, run_tokenizer
 
+        group = settings.pop("group")
+        where, what = run_tokenizer(find_checkpoints(source, group)[0])
+        if where is None:  # said before the export, naming the run
+            raise ConfigError(
+                f"{str(source)!r}: {what}, so no tokenizer turns the prompt into tokens. {NO_TOKENIZER_FIX}"
+            )
         with tempfile.TemporaryDirectory(prefix="harness-generate-") as out:
-            export(source, Path(out) / "model")
+            export(source, Path(out) / "model", group)
             print(generate(Path(out) / "model", **settings))
     except (ConfigError, CheckpointError) as e:
         print(f"harness.generate: {e}", file=sys.stderr)

@@ -96,9 +96,7 @@ class Trainer:
         if replica_group is not None:
             link = job.cross_replica.averager.link
             ft = cfg.fault_tolerance
-            self.replica_group = ReplicaGroup(
-                self, link, replica_group, env.world_size, cfg.train.seed, ft.quorum_timeout_s, run_dir
-            )
+            self.replica_group = ReplicaGroup(self, link, replica_group, env.world_size, cfg.train.seed, ft, run_dir)
         run_config = plain(cfg)
         self.checkpointer = Checkpointer(
             cfg.checkpoint, checkpoint_dir(cfg.checkpoint, run_dir), env.rank, env.device, run_config

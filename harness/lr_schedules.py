@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 
 import torch
 from hydra.utils import instantiate
@@ -88,8 +89,12 @@ class LRSchedule:
         self.schedulers = schedulers
 
     def step(self) -> None:
-        for scheduler in self.schedulers:
-            scheduler.step()
+        """After every step, skipped ones included (the rate is a function of the step), so without a
+        preceding optimizer step now and then: torch's warning about that order is not for this loop."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step\\(\\)` before", UserWarning)
+            for scheduler in self.schedulers:
+                scheduler.step()
 
     @property
     def lr(self) -> float:

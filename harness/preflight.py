@@ -18,6 +18,7 @@ from harness.checkpoint import (
     complete_checkpoints,
     read_meta,
 )
+from harness.checkpoint_paths import group_checkpoints
 from harness.data import data_source
 from harness.models import build_model
 from harness.models.hf_weights import init_from_errors
@@ -26,7 +27,8 @@ from harness.models.hf_weights import init_from_errors
 def preflight(cfg: DictConfig, run_dir: Path, resume_from: Path | None) -> list[str]:
     """`resume_from`: the checkpoint the run's plan resumes from (`RunPlan.resume_from`)."""
     source = data_source(cfg)
-    errors = source.preflight_errors() if hasattr(source, "preflight_errors") else []
+    checks = getattr(source, "preflight_errors", None)
+    errors = checks(cfg.train.seq_len + 1, cfg.train.eval_every > 0) if checks is not None else []
     errors += _check_checkpoint_dir(cfg.checkpoint, run_dir) + _check_resume(cfg, run_dir, resume_from)
     return errors + _check_init_from(cfg, resume_from)
 
@@ -60,12 +62,17 @@ def _check_resume(cfg: DictConfig, run_dir: Path, path: Path | None) -> list[str
     this model; and a run must not write over checkpoints it did not resume from."""
     root = checkpoint_dir(cfg.checkpoint, run_dir)
     existing = complete_checkpoints(root)
-    if path is None:
-        if existing and cfg.checkpoint.mode != "none":
+    groups = [p for done in group_checkpoints(cfg.checkpoint, run_dir).values() for p in done]
+    if path is None:  # a fresh start: next to no checkpoints of any layout (resume=auto would have found them)
+        if (existing or groups) and cfg.checkpoint.mode != "none":
+            held = [f"{root} already holds checkpoints ({', '.join(p.name for p in existing)})"] if existing else []
+            if groups:
+                names = ", ".join(str(p.relative_to(run_dir) if p.is_relative_to(run_dir) else p) for p in groups)
+                held.append(f"its replica groups (fault_tolerance=torchft) hold checkpoints ({names})")
             return [
-                f"checkpoint.resume={cfg.checkpoint.resume} but {root} already holds checkpoints "
-                f"({', '.join(p.name for p in existing)}); this run would write over them. Fix: "
-                "checkpoint.resume=auto to continue from the latest, or a new hydra.run.dir / checkpoint.dir."
+                f"checkpoint.resume={cfg.checkpoint.resume} but {'; '.join(held)}; this run would write over them "
+                "or start over next to them. Fix: checkpoint.resume=auto to continue from the latest, whichever "
+                "layout saved it, or a new hydra.run.dir / checkpoint.dir."
             ]
         return []
     try:

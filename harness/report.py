@@ -399,7 +399,15 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     out = args.out or path / "report"
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):  # it, or a folder above it, is a file
+        print(
+            f"harness.report: --out {str(out)!r} cannot be a directory: it or a folder above it is a file. "
+            "Fix: --out <a new or existing directory>.",
+            file=sys.stderr,
+        )
+        return 2
     if groups:
         written = report_replica_groups(path, out)
     else:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import math
 import os
 from pathlib import Path
 
@@ -24,14 +25,21 @@ log = logging.getLogger(__name__)
 
 
 def config_errors(cfg: DictConfig) -> list[str]:
-    """The sinks' rules for `validate`: TensorBoard is an optional extra."""
+    """The sinks' rules for `validate`: TensorBoard is an optional extra; W&B's wait is a duration."""
+    errors = []
     if cfg.metrics.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        return [
+        errors.append(
             "metrics.tensorboard=true writes TensorBoard event files through torch.utils.tensorboard, but the "
             "'tensorboard' package is not installed in this Python environment. Fix: pip install -e "
             '".[tensorboard]" (or pip install tensorboard), or metrics.tensorboard=false.'
-        ]
-    return []
+        )
+    timeout = cfg.wandb.init_timeout_s
+    if not (0 < timeout < math.inf):
+        errors.append(
+            f"wandb.init_timeout_s={timeout} must be a positive number of seconds (how long W&B may take to start "
+            "before the run falls back to offline). Fix: wandb.init_timeout_s=90 (W&B's own default)."
+        )
+    return errors
 
 
 class MetricsSink:

@@ -60,7 +60,8 @@ def write_result(run_dir: Path, hydra_cfg: Any, name: str, exit_code: int, reaso
         "job": int(hydra_cfg.job.num),
         "name": name,
         "overrides": list(hydra_cfg.overrides.task),
-        "status": "completed" if exit_code == 0 else "failed",
+        # exit status 3: a fault-tolerant job whose model is complete although a replica group was lost for good
+        "status": "completed" if exit_code in (0, 3) else "failed",
         "exit_code": exit_code,
         "reason": reason,
     }

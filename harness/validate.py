@@ -12,6 +12,7 @@ which `validate` asks by building it cheaply (models on the meta device).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any
 
@@ -125,7 +126,7 @@ def _check_train(cfg: DictConfig, world_size: int, gpus: int, local_world_size: 
     for key in ("launcher.nproc", "dist.threads_per_rank"):
         if OmegaConf.select(cfg, key) is not None:
             errors += _at_least(cfg, key, 1, f"set {key}=null (automatic) or a positive number")
-    if cfg.train.peak_tflops is not None and cfg.train.peak_tflops <= 0:
+    if cfg.train.peak_tflops is not None and not 0 < cfg.train.peak_tflops < math.inf:
         errors.append(
             f"train.peak_tflops={cfg.train.peak_tflops} must be positive (one device's peak dense "
             "TFLOP/s). Fix: train.peak_tflops=null to look it up from the GPU's name."

@@ -128,8 +128,25 @@ SETTLED = [
     (
         "ft join timeout not positive",
         ["fault_tolerance=torchft", "sharding=no_shard", "fault_tolerance.join_timeout_s=0"],
-        ["fault_tolerance.join_timeout_s=0", "must be positive", "Fix:"],
+        ["fault_tolerance.join_timeout_s=0", "must be a positive number of seconds", "Fix:"],
     ),
+    (  # torchft's lighthouse overflowed on it
+        "ft heartbeat timeout out of range",
+        ["fault_tolerance=torchft", "sharding=no_shard", "fault_tolerance.heartbeat_timeout_s=1e300"],
+        ["fault_tolerance.heartbeat_timeout_s=1e+300", "at most 604800", "Fix:"],
+    ),
+    (  # the launcher numbers the groups; it was ignored, and recorded in .hydra/config.yaml
+        "ft replica id under the launcher",
+        ["fault_tolerance=torchft", "sharding=no_shard", "fault_tolerance.replica_id=5"],
+        ["fault_tolerance.replica_id=5", "starts every replica group itself", "Fix: drop fault_tolerance.replica_id"],
+    ),
+    (
+        "ft no failed exchange allowed",
+        ["fault_tolerance=torchft", "sharding=no_shard", "fault_tolerance.max_failed_exchanges=0"],
+        ["fault_tolerance.max_failed_exchanges=0 must be >= 1", "Fix:"],
+    ),
+    ("peak flops not a number", ["train.peak_tflops=nan"], ["train.peak_tflops=nan must be positive", "Fix:"]),
+    ("wandb timeout negative", ["wandb.init_timeout_s=-5"], ["wandb.init_timeout_s=-5.0 must be a positive", "Fix:"]),
 ]
 
 
@@ -195,14 +212,31 @@ TOOL_CASES = [
     ("prepare out a file", "prepare", ["input={tmp}/a.txt", "out={tmp}/a.txt"], ["out='{tmp}/a.txt' is a file"]),
     ("export out a file", "export", ["{tmp}", "{tmp}/a.txt"], ["'{tmp}/a.txt' is a file, not a directory. Fix:"]),
     ("export overrides", "export", ["source={tmp}", "out={tmp}/x"], ["takes two paths, not key=value overrides"]),
+    ("generate empty prompt", "generate", ["{tmp}/run", "prompt="], ["prompt='' is empty", 'Fix: prompt="def main("']),
+    ("generate seed", "generate", ["{tmp}/run", "prompt=def", "seed=99999999999999999999999"], ["outside [0, 2**63)"]),
+    ("generate nan", "generate", ["{tmp}/run", "prompt=def", "temperature=nan"], ["temperature a finite number"]),
+    ("generate no run", "generate", ["{tmp}/none", "prompt=def"], ["'{tmp}/none' does not exist. Fix:"]),
+    (  # refused before the export, naming the run
+        "generate no tokenizer",
+        "generate",
+        ["{tmp}/run", "prompt=def"],
+        ["'{tmp}/run': the run trained on SyntheticTokens without a tokenizer file", "Fix: train on data=tokens"],
+    ),
+    ("report out a file", "report", ["{tmp}/run", "--out", "{tmp}/a.txt"], ["--out '{tmp}/a.txt' cannot be a"]),
 ]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,module,args,expected", TOOL_CASES, ids=[c[0] for c in TOOL_CASES])
-def test_bad_prepare_and_export_input_fails_clearly_and_writes_nothing(name, module, args, expected, tmp_path, cli_env):
-    """`python -m harness.prepare` and `harness.export` get train.py's treatment (Hydra's composition errors too)."""
+def test_bad_tool_input_fails_clearly_and_writes_nothing(name, module, args, expected, tmp_path, cli_env):
+    """`python -m harness.prepare`, `export`, `generate` and `report` get train.py's treatment (Hydra's composition
+    errors too). {tmp}/run is a run of synthetic tokens with a checkpoint (its meta.json) and metrics."""
     (tmp_path / "a.txt").write_text("some text")
+    step = fake_checkpoint(tmp_path / "run" / "checkpoints" / "step_5")
+    meta = json.loads((step / "meta.json").read_text())
+    meta["config"] = {"data": {"_target_": "harness.data.SyntheticTokens", "noise": 0.1}, "model": MODEL}
+    (step / "meta.json").write_text(json.dumps(meta))
+    (tmp_path / "run" / "metrics.jsonl").write_text(json.dumps({"step": 1, "train/loss": 5.0}) + "\n")
     before = snapshot(tmp_path)
     command = [sys.executable, "-m", f"harness.{module}", *[a.format(tmp=tmp_path) for a in args]]
     proc = subprocess.run(command, env=cli_env, cwd=tmp_path, capture_output=True, text=True, timeout=240)

@@ -192,6 +192,9 @@ def break_dataset(out: Path, case: str) -> None:
     elif case == "dtype too small":
         index["vocab_size"] = 70000
         (out / "index.json").write_text(json.dumps(index))
+    elif case.startswith("nanogpt too short"):  # train.bin of 10 tokens, or a val.bin shorter than a window
+        (np.arange(10 if case.endswith("train.bin") else 1000, dtype=np.uint16) % 300).tofile(out / "train.bin")
+        np.arange(10, dtype=np.uint16).tofile(out / "val.bin")
 
 
 LOADER_CASES = [
@@ -204,6 +207,22 @@ LOADER_CASES = [
         ["data.format=nanogpt", "model.vocab_size=256"],
         ["train.bin holds token ids up to 299, more than model.vocab_size=256", "Fix: model.vocab_size=300 or more"],
     ),
+    (
+        "nanogpt too short: train.bin",
+        ["data.format=nanogpt"],
+        ["train.bin holds 10 tokens, fewer than one window of train.seq_len+1=65 tokens", "Fix: lower train.seq_len"],
+    ),
+    (
+        "nanogpt too short: val.bin",
+        ["data.format=nanogpt", "train.eval_every=5"],
+        ["val.bin holds 10 tokens", "could not evaluate", "or train.eval_every=0"],
+    ),
+    ("a file, not a directory", ["data.path={out}/train_00000.bin"], ["is a file, not a dataset directory", "Fix:"]),
+    (
+        "infinite weight",
+        ["data.path=null", "data.sources=[{path: {out}, weight: inf}, {path: {out}, weight: 1}]"],
+        ["data.sources[0]=", "weight: <positive finite number>", "Fix:"],
+    ),
 ]
 
 
@@ -215,6 +234,7 @@ def test_data_that_does_not_fit_is_refused_before_any_rank_starts(dataset, tmp_p
     shutil.copytree(dataset[1], out)
     break_dataset(out, case)
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        overrides = [o.replace("{out}", str(out)) for o in overrides]
         cfg = compose("config", overrides=["data=tokens", f"data.path={out}", "model.vocab_size=320", *overrides])
     try:  # validate reads the index (the vocabulary), preflight the files (as the launcher calls them)
         validate(cfg, world_size=2, gpus=0)

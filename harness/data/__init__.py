@@ -19,7 +19,9 @@ trains on (text: the corpus's last `data.eval_fraction` of bytes); a mixture
 also names its sources in `eval_sources()` and takes `source=` there. Its
 constructor refuses bad arguments with a ValueError naming the key and the fix
 (`validate` builds it to ask, so it must be cheap); a source that reads files
-checks them in `preflight_errors()` and loads them in `open()`, which every
+checks them in `preflight_errors(length, evaluates)` (samples of `length` =
+`train.seq_len` + 1 tokens, held-out ones too when `evaluates`) and loads them
+in `open()`, which every
 rank calls together; one with held-out data it cannot always provide says so in
 `eval_errors(train.eval_every)`.
 """

@@ -63,6 +63,12 @@ def read_index(root: Path) -> dict:
             "(or its run did not finish). Fix: run (or re-run) python -m harness.prepare with out="
             f"{str(root)!r}, or data.format=nanogpt for nanoGPT's train.bin/val.bin."
         ) from None
+    except NotADirectoryError:
+        raise ValueError(
+            f"data.path={str(root)!r} is a file, not a dataset directory. Fix: data.path=<the directory "
+            "python -m harness.prepare wrote (its out=)>, or for nanoGPT's files the folder holding train.bin "
+            "and val.bin with data.format=nanogpt."
+        ) from None
     except (OSError, ValueError) as e:
         message = f"data.path={str(root)!r}: {INDEX} is unreadable ({e}). Fix: re-run harness.prepare."
         raise ValueError(message) from None

@@ -51,7 +51,8 @@ class TextTokens:
         self.held_out: np.ndarray | None = None  # its last eval_fraction, for eval_samples
         self._epoch, self._order = -1, None
 
-    def preflight_errors(self) -> list[str]:
+    def preflight_errors(self, length: int, evaluates: bool) -> list[str]:
+        """The corpus's files exist (its size is known once `open` has cached it, which says so)."""
         if self.root is not None and not os.path.isdir(os.path.expanduser(self.root)):
             return [
                 f"data.root={self.root!r} is not a directory. Fix: point data.root at a folder of "

@@ -106,10 +106,32 @@ class TokenSource:
             )
         self.files = {split: [self.root / s["file"] for s in self.index[split]] for split in SPLITS}
 
-    def preflight_errors(self) -> list[str]:
+    def preflight_errors(self, length: int, evaluates: bool) -> list[str]:
         if self.format == "harness":
-            return shard_errors(self.root, self.index)
-        return [e for name in NANOGPT_FILES.values() if (e := self._nanogpt_errors(name))]
+            errors = shard_errors(self.root, self.index)
+        else:
+            errors = [e for name in NANOGPT_FILES.values() if (e := self._nanogpt_errors(name))]
+        return errors or self._window_errors(length, evaluates)
+
+    def _window_errors(self, length: int, evaluates: bool) -> list[str]:
+        """A split that must be read holds at least one window of `length` tokens inside one file (the
+        shards' token counts, from the index or the files' sizes): else training, or the first eval,
+        would fail inside the ranks."""
+        itemsize = np.dtype(self.index["dtype"]).itemsize
+        errors = []
+        for split in ("train", "eval") if evaluates else ("train",):
+            sizes = [p.stat().st_size // itemsize for p in self.files[split]]
+            if not any(size >= length for size in sizes):
+                what = NANOGPT_FILES[split] if self.format == "nanogpt" else f"its longest {split} shard"
+                use = "train" if split == "train" else "evaluate (train.eval_every)"
+                fix = "lower train.seq_len, or prepare more text"
+                fix += ", or train.eval_every=0" if split == "eval" else ""
+                errors.append(
+                    f"{self.key}={str(self.root)!r}: {what} holds {max(sizes, default=0)} tokens, fewer than "
+                    f"one window of train.seq_len+1={length} tokens, so the run could not {use}. "
+                    f"Fix: {fix}."
+                )
+        return errors
 
     def _nanogpt_errors(self, name: str) -> str | None:
         """nanoGPT's files carry no vocabulary: their largest id must fit the model's embedding,
@@ -197,9 +219,9 @@ class TokenShards:
             )
         entries = [{"path": path, "weight": 1.0}] if path is not None else [dict(s) for s in sources]
         for i, entry in enumerate(entries):
-            if set(entry) != {"path", "weight"} or not float(entry["weight"]) > 0:
+            if set(entry) != {"path", "weight"} or not 0 < float(entry["weight"]) < math.inf:
                 raise ValueError(
-                    f"data.sources[{i}]={entry!r} must be {{path: <dir>, weight: <positive number>}}. "
+                    f"data.sources[{i}]={entry!r} must be {{path: <dir>, weight: <positive finite number>}}. "
                     "Fix: e.g. data.sources=[{path: a, weight: 0.7}, {path: b, weight: 0.3}]."
                 )
         key = "data.path" if path is not None else "data.sources[{}].path"
@@ -211,8 +233,8 @@ class TokenShards:
         self.seed = seed
         self.splits: list[dict[str, TokenFiles]] = []
 
-    def preflight_errors(self) -> list[str]:
-        return [e for s in self.sources for e in s.preflight_errors()]
+    def preflight_errors(self, length: int, evaluates: bool) -> list[str]:
+        return [e for s in self.sources for e in s.preflight_errors(length, evaluates)]
 
     def eval_errors(self, eval_every: int) -> list[str]:
         if eval_every > 0 and any(not s.files["eval"] for s in self.sources):

@@ -1,6 +1,6 @@
 """`fault_tolerance=torchft`'s rules and the settings its parts share: whether it is on,
 what `validate` refuses, the lighthouse's join timeout, torchft's log level, and under
-torchrun which replica group this torchrun is. Light: no torch.distributed, no checkpoints."""
+torchrun which replica group this torchrun is. Light: no torchft until asked, no checkpoints."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from urllib.parse import urlparse
 from omegaconf import DictConfig
 
 from harness.config import ConfigError
+from harness.dist import under_torchrun
 
 NEEDS_TORCHFT = 'Fix: pip install -e ".[ft]" (torchft), or fault_tolerance=none.'
 REPLICA_GROUP_ID = "REPLICA_GROUP_ID"  # torchft's launcher convention: this rank's replica group
@@ -18,6 +19,9 @@ NUM_REPLICA_GROUPS = "NUM_REPLICA_GROUPS"
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 # =1: a heal's sender and receiver log a SHA-256 digest of the whole state, to check that it arrived
 # bit for bit (it reads every byte twice on each side, so it is off by default)
+
+
+MAX_TIMEOUT_S = 7 * 24 * 3600
 
 
 def enabled(cfg: DictConfig) -> bool:
@@ -78,10 +82,24 @@ def config_errors(cfg: DictConfig, replicas: int | None) -> list[str]:
             "which a quorum that changes at run time cannot keep. Fix: averager=periodic or averager=diloco."
         )
     for key in ("quorum_timeout_s", "timeout_s", "heartbeat_timeout_s", "join_timeout_s"):
-        if ft[key] is not None and not ft[key] > 0:
-            errors.append(f"fault_tolerance.{key}={ft[key]} must be positive. Fix: a number of seconds, e.g. 60.")
+        if ft[key] is not None and not 0 < ft[key] <= MAX_TIMEOUT_S:
+            errors.append(
+                f"fault_tolerance.{key}={ft[key]} must be a positive number of seconds, at most {MAX_TIMEOUT_S} (a "
+                "week: torchft keeps its timeouts as milliseconds and durations). Fix: a number of seconds, e.g. 60."
+            )
     if ft.max_restarts < 0:
         errors.append(f"fault_tolerance.max_restarts={ft.max_restarts} must be >= 0. Fix: 0 for no restarts.")
+    if ft.max_failed_exchanges < 1:
+        errors.append(
+            f"fault_tolerance.max_failed_exchanges={ft.max_failed_exchanges} must be >= 1: a run whose exchanges "
+            "across replica groups never commit trains nothing. Fix: fault_tolerance.max_failed_exchanges=5."
+        )
+    if ft.replica_id is not None and not under_torchrun():
+        errors.append(
+            f"fault_tolerance.replica_id={ft.replica_id}: `python train.py` starts every replica group itself and "
+            "numbers them; the key is for one torchrun per group (docs/failures.md). Fix: drop "
+            "fault_tolerance.replica_id, or start each group with torchrun and its own replica id."
+        )
     return errors
 
 
@@ -98,10 +116,21 @@ def join_timeout_s(ft: DictConfig, groups: int) -> float:
 def quiet_torchft() -> None:
     """torchft logs every quorum and commit at INFO and warns at every reconfiguration on CPU (no NCCL
     flight recorder): errors only (its Rust side through RUST_LOG), so a group's joins, leaves, heals
-    and failed exchanges are the harness's own log lines."""
+    and failed exchanges are the harness's own log lines; and each error as its first line, without
+    the traceback and C++ frames a failed collective carries (the harness says what it did about it)."""
     os.environ.setdefault("RUST_LOG", "error")
     for name in ("torchft", "torchft_commits", "torchft_quorums", "torchft_errors"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.ERROR)
+        if not any(isinstance(f, _FirstLine) for f in logger.filters):
+            logger.addFilter(_FirstLine())
+
+
+class _FirstLine(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg, record.args = record.getMessage().split("\n", 1)[0], None
+        record.exc_info = record.exc_text = None
+        return True
 
 
 def torchrun_groups(cfg: DictConfig) -> tuple[int, int]:

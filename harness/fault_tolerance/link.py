@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
+import time
 from datetime import timedelta
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
@@ -75,6 +78,30 @@ def forget_previous_manager(group_rank: int) -> None:
     dist.barrier()
 
 
+def refuse_a_closed_lighthouse(lighthouse: str, patience_s: float = 2.0) -> None:
+    """A lighthouse address where nothing listens is known at once, not after torchft's connect
+    timeout (`fault_tolerance.timeout_s`, 60 s by default): a refused connection, still refused
+    after `patience_s` (a lighthouse being started alongside), raises LighthouseUnreachable.
+    Anything else (no route, a slow network) is left to torchft's own timeout."""
+    url = urlparse(lighthouse)
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            socket.create_connection((url.hostname, url.port), timeout=patience_s).close()
+            return
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        except OSError:
+            return
+    raise LighthouseUnreachable(
+        f"fault_tolerance: nothing listens at the torchft lighthouse address {lighthouse} (fault_tolerance.lighthouse, "
+        f"or {LIGHTHOUSE_ENV}): the connection was refused. Fix: start it (torchft_lighthouse --min_replicas 1) and "
+        "pass the address it prints, or leave fault_tolerance.lighthouse=null to have the launcher start one."
+    )
+
+
 PLACE_STRIDE = 2**32  # a Manager step is commits * this + steps: more commits always rank first
 
 
@@ -87,6 +114,7 @@ class TorchftLink:
 
     def __init__(self, ft: DictConfig, replica_id: int, group_rank: int, group_world_size: int, device: torch.device):
         self.commits = 0  # exchanges this group committed (the heal state and checkpoints carry it)
+        self.failed_in_a_row = 0  # exchanges since the last that committed (fault_tolerance.max_failed_exchanges)
         quiet_torchft()
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupBabyNCCL, ProcessGroupGloo
@@ -95,6 +123,7 @@ class TorchftLink:
         timeout = timedelta(seconds=ft.timeout_s)
         self.pg = ProcessGroupBabyNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
         lighthouse = ft.lighthouse or os.environ.get(LIGHTHOUSE_ENV)
+        refuse_a_closed_lighthouse(lighthouse)
         try:
             self.manager = Manager(
                 pg=self.pg,
@@ -157,6 +186,7 @@ class TorchftLink:
     def commit(self) -> bool:
         committed = self.manager.should_commit()
         self.commits += committed
+        self.failed_in_a_row = 0 if committed else self.failed_in_a_row + 1
         return committed
 
     def failed(self) -> bool:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from harness.checkpoint_paths import GROUP_DIR, group_checkpoint_config, group_dir, resume_path
+from harness.checkpoint_paths import GROUP_DIR, group_checkpoint_config, group_dir, group_resume_path
 
 # in a replica group's outputs once it has trained every step: a peer restarted after that finds no one
 # to heal from (the lighthouse cannot tell finished groups from dead ones), so it stops instead of
@@ -21,11 +21,12 @@ def group_outputs(cfg: DictConfig, run_dir: Path, replica_id: int) -> tuple[Path
     W&B and TensorBoard runs and checkpoints (a dead group must not stop the others' logging
     or saving); returns that directory and the checkpoint the group resumes from, and points
     `cfg.checkpoint` at the group's checkpoints."""
-    cfg.checkpoint = group_checkpoint_config(cfg.checkpoint, replica_id)
+    run_checkpoint = cfg.checkpoint
+    cfg.checkpoint = group_checkpoint_config(run_checkpoint, replica_id)
     outputs = group_dir(run_dir, replica_id)
     outputs.mkdir(exist_ok=True)
     (outputs / FINISHED).unlink(missing_ok=True)  # an earlier run's, in this run dir: this one is not finished
-    return outputs, resume_path(cfg.checkpoint, outputs)
+    return outputs, group_resume_path(run_checkpoint, run_dir, replica_id)
 
 
 class PeersFinished(Exception):
@@ -33,14 +34,20 @@ class PeersFinished(Exception):
     from, and the run's model is its peers'; the group stops (and its rank exits 0)."""
 
 
+def finished_step(run_dir: Path, replica_id: int) -> int | None:
+    """The step replica group `replica_id` under `run_dir` finished training at, or None (not finished)."""
+    try:
+        return json.loads((group_dir(run_dir, replica_id) / FINISHED).read_text())["step"]
+    except (OSError, ValueError, KeyError):  # not there, being written, or gone: not finished
+        return None
+
+
 def finished_peer(run_dir: Path, replica_id: int, steps: int) -> tuple[int, int] | None:
     """(a peer group of `replica_id` under `run_dir` that has trained `steps` steps, its step), or None."""
     for marker in sorted(run_dir.glob(f"replica_group_*/{FINISHED}")):
         group = GROUP_DIR.match(marker.parent.name)
-        try:
-            step = json.loads(marker.read_text())["step"]
-        except (OSError, ValueError, KeyError):  # being written, or gone: not finished yet
-            continue
-        if group and int(group.group(1)) != replica_id and step >= steps:
-            return int(group.group(1)), step
+        if group and int(group.group(1)) != replica_id:
+            step = finished_step(run_dir, int(group.group(1)))
+            if step is not None and step >= steps:
+                return int(group.group(1)), step
     return None

@@ -31,16 +31,20 @@ log = logging.getLogger(__name__)
 HEAL_DIGEST_ENV = "HARNESS_HEAL_DIGEST"
 
 
+class ExchangesFailed(RuntimeError):
+    """`fault_tolerance.max_failed_exchanges` exchanges in a row did not commit; the message names the fix."""
+
+
 class ReplicaGroup:
     """One replica group's side of fault tolerance, for the Trainer: the quorum at
     the start of each step that crosses replicas (and of the first step a group
     runs, which is how a restarted group joins), the heal state, the ft/* metrics."""
 
-    def __init__(
-        self, trainer, link: TorchftLink, replica_id: int, shard: int, seed: int, alone_after_s: float, outputs: Path
-    ):
+    def __init__(self, trainer, link: TorchftLink, replica_id: int, shard: int, seed: int, ft, outputs: Path):
+        """`ft`: the fault_tolerance config (its quorum timeout, timeout and bound on failed exchanges)."""
         self.trainer, self.link, self.replica_id = trainer, link, replica_id
-        self.shard, self.seed, self.alone_after_s, self.outputs = shard, seed, alone_after_s, outputs
+        self.shard, self.seed, self.ft, self.outputs = shard, seed, ft, outputs
+        self.alone_after_s = ft.quorum_timeout_s
         self.restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0  # the launcher's and torchrun's
         self.heals, self.replicas, self.joined = 0, None, False
         self.row: dict = {}
@@ -50,6 +54,14 @@ class ReplicaGroup:
         """Open a quorum if the coming step crosses replicas (or is this group's first):
         a heal here replaces every part of the job, the trainer's step included."""
         averager = self.trainer.job.cross_replica.averager
+        if self.link.failed_in_a_row >= self.ft.max_failed_exchanges:
+            raise ExchangesFailed(
+                f"fault_tolerance: the last {self.link.failed_in_a_row} exchanges across replica groups did not "
+                f"commit (replica group {self.replica_id}, step {self.trainer.state.step}), each given "
+                f"fault_tolerance.timeout_s={self.ft.timeout_s} s, so the run trains nothing across replicas. Fix: "
+                "raise fault_tolerance.timeout_s if the collectives need longer; the groups' logs name the failing "
+                "collective; fault_tolerance.max_failed_exchanges allows more in a row."
+            )
         if self.joined and not averager.crosses_replicas():
             return
         heals = self.heals

@@ -59,8 +59,8 @@ def start(cfg: DictConfig) -> dict | None:
         # imported here: its module is also each group supervisor's `python -m` entry
         from harness.launch.replica_groups import start_replica_groups
 
-        if start_replica_groups(cfg, run_dir, plan) is not None:
-            sys.exit(1)
+        if code := start_replica_groups(cfg, run_dir, plan)[0]:
+            sys.exit(code)
     elif start_local_ranks(cfg, run_dir, plan) is not None:
         sys.exit(1)
 
@@ -79,11 +79,17 @@ def sweep_job(cfg: DictConfig, hydra_cfg: DictConfig, run_dir: Path) -> dict:
         log.info("job %d: %s", hydra_cfg.job.num, done)
         return write_result(run_dir, hydra_cfg, name, 0, "")
     try:
-        failure = start_local_ranks(cfg, run_dir, plan)
+        if fault_tolerance.enabled(cfg):  # the job's own lighthouse and replica groups, as python train.py starts
+            from harness.launch.replica_groups import start_replica_groups
+
+            code, failure = start_replica_groups(cfg, run_dir, plan)
+        else:
+            failure = start_local_ranks(cfg, run_dir, plan)
+            code = 0 if failure is None else 1
     except Exception as e:  # the launcher itself failed (rendezvous, fork): still this job's failure alone
         log.exception("job %d could not start its ranks", hydra_cfg.job.num)
-        failure = f"{type(e).__name__}: {e}"
-    return write_result(run_dir, hydra_cfg, name, 0 if failure is None else 1, failure or "")
+        code, failure = 1, f"{type(e).__name__}: {e}"
+    return write_result(run_dir, hydra_cfg, name, code, failure or "")
 
 
 def _remove_if_empty(run_dir: Path) -> None:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import NoReturn
 
 
@@ -37,13 +40,31 @@ def exit_now_when_done() -> Iterator[None]:
     `os._exit`), but a spawned one (CUDA) ends in `sys.exit` and would finalize.
     It cannot leave inside the body, before the launcher has read its return
     value, so it leaves from an exit handler: the last one registered runs
-    first, before any object is torn down."""
-    code: int | str | None = 1  # an exception: multiprocessing's exit code for it
+    first, before any object is torn down.
+
+    An exception (a bug) leaves as exit 1 with its traceback in the rank's log
+    and its first line as the rank's reason (`record_failure`), not through
+    torch's multiprocessing, which would pickle it into a
+    /tmp/pytorch-errorfile-*.pickle that no one removes."""
+    code: int | str | None = 1
     try:
         yield
         code = 0
     except SystemExit as e:
         code = e.code
         raise
+    except Exception as e:
+        logging.getLogger("harness").exception("the rank failed")
+        record_failure(": ".join([type(e).__name__, *str(e).splitlines()[:1]]))
+        raise SystemExit(1) from None
     finally:
         atexit.register(exit_now, code)
+
+
+def record_failure(reason: str) -> None:
+    """Why this rank failed, in one line, where the process that started it
+    reads it: torch elastic's error file (`TORCHELASTIC_ERROR_FILE`, set by
+    torchrun and by `run_local_ranks`), as `ProcessFailure.message`."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        Path(path).write_text(json.dumps({"message": reason[:500], "timestamp": int(time.time())}))

@@ -5,12 +5,12 @@ elastic's error file, which the launcher (or torchrun) reads back."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
+import shutil
 import socket
 import sys
-import time
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,8 +21,9 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from harness.checkpoint import CheckpointError
 from harness.fault_tolerance.link import LighthouseUnreachable
+from harness.fault_tolerance.replica_group import ExchangesFailed
 from harness.launch.check import start_method
-from harness.launch.exit import exit_now_when_done
+from harness.launch.exit import exit_now_when_done, record_failure
 from harness.launch.logs import setup_logging
 from harness.loop import run_rank
 from harness.nonfinite import NonFiniteLossError
@@ -56,7 +57,9 @@ def failure_summary(failures: dict[int, ProcessFailure]) -> str:
     ranks = ", ".join(
         f"rank {r} ({f.signal_name() if f.exitcode < 0 else f'exit {f.exitcode}'})" for r, f in sorted(failures.items())
     )
-    recorded = sorted((f.timestamp, f.message) for f in failures.values() if f.error_file_data.get("message"))
+    # torch elastic's own record of an exception is a dict holding the message and the traceback
+    messages = {r: f.message.get("message") if isinstance(f.message, dict) else f.message for r, f in failures.items()}
+    recorded = sorted((f.timestamp, messages[r]) for r, f in failures.items() if f.error_file_data.get("message"))
     return ranks + (f": {recorded[0][1]}" if recorded else "")
 
 
@@ -95,18 +98,24 @@ def run_local_ranks(
         }
         for rank in range(nproc)
     }
-    ranks = start_processes(
-        "harness",
-        entrypoint,
-        {rank: args for rank in range(nproc)},
-        envs,
-        DefaultLogsSpecs(),
-        start_method=start_method,
-    )
+    # torch elastic's per-rank error files, read into the failures as the ranks end, then removed: its
+    # default is a torchelastic_* tree in /tmp that every launch leaves behind
+    error_dir = tempfile.mkdtemp(prefix="harness-ranks-")
     try:
-        result = ranks.wait(period=0.02)
+        ranks = start_processes(
+            "harness",
+            entrypoint,
+            {rank: args for rank in range(nproc)},
+            envs,
+            DefaultLogsSpecs(log_dir=error_dir),
+            start_method=start_method,
+        )
+        try:
+            result = ranks.wait(period=0.02)
+        finally:
+            ranks.close()  # on failure or Ctrl-C: no rank outlives the job
     finally:
-        ranks.close()  # on failure or Ctrl-C: no rank outlives the job
+        shutil.rmtree(error_dir, ignore_errors=True)
     return result.failures
 
 
@@ -115,15 +124,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def record_failure(reason: str) -> None:
-    """Why this rank failed, in one line, where the process that started it
-    reads it: torch elastic's error file (`TORCHELASTIC_ERROR_FILE`, set by
-    torchrun and by `run_local_ranks`), as `ProcessFailure.message`."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path:
-        Path(path).write_text(json.dumps({"message": reason[:500], "timestamp": int(time.time())}))
 
 
 def rank_entrypoint(cfg: DictConfig, run_dir: Path, plan: RunPlan) -> None:
@@ -137,7 +137,7 @@ def train_or_exit(cfg: DictConfig, run_dir: Path, plan: RunPlan) -> None:
     """`run_rank`, with the failures a user can act on reported as one message and exit 1."""
     try:
         run_rank(cfg, run_dir, plan)
-    except LighthouseUnreachable as e:  # exit 2: a setting to fix, which no restart of the group mends
+    except (LighthouseUnreachable, ExchangesFailed) as e:  # exit 2: a setting to fix, no restart of the group mends
         log.error("%s", e)
         record_failure(str(e))
         sys.exit(2)

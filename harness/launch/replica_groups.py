@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import os
 import pickle
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from harness.fault_tolerance import LIGHTHOUSE_ENV, NUM_REPLICA_GROUPS, REPLICA_GROUP_ID, join_timeout_s, quiet_torchft
+from harness.fault_tolerance.outputs import finished_step
 from harness.launch.check import start_method
 from harness.launch.ranks import failure_summary, rank_entrypoint, run_local_ranks
 from harness.plan import RunPlan
@@ -29,10 +31,17 @@ from harness.plan import RunPlan
 log = logging.getLogger("harness")
 
 
-def start_replica_groups(cfg: DictConfig, run_dir: Path, plan: RunPlan) -> str | None:
+# `python train.py`'s exit status when training finished without one or more replica groups: the run's
+# model is complete (the surviving groups trained every step), which a scheduler can tell from a failure (1)
+FINISHED_WITHOUT_GROUPS = 3
+
+
+def start_replica_groups(cfg: DictConfig, run_dir: Path, plan: RunPlan) -> tuple[int, str | None]:
     """Run the plan's replica groups against one lighthouse and wait for them all;
-    what failed, in one line, or None. The run fails only when a group exhausts its
-    restarts (the others go on training meanwhile, and finish).
+    the exit status and what went wrong in one line (None when nothing did). A group
+    lost for good (it exhausted its restarts, cannot run, or its supervisor died) fails
+    the run, unless a group trained every step: then the run's model is complete and the
+    status is FINISHED_WITHOUT_GROUPS (docs/failures.md).
 
     Each group's supervisor is a fresh process started with the group's environment,
     so the ranks it forks carry it from their start, visible in /proc/<pid>/environ
@@ -80,19 +89,36 @@ def start_replica_groups(cfg: DictConfig, run_dir: Path, plan: RunPlan) -> str |
         if lighthouse is not None:
             lighthouse.shutdown()
     if not any(codes):
-        return None
-    summary = "; ".join(
-        f"replica group {replica} "
-        + (
-            "cannot run (its reason is above)"
-            if code == 2
-            else f"exhausted fault_tolerance.max_restarts={ft.max_restarts}"
+        return 0, None
+    lost = [r for r, code in enumerate(codes) if code]
+    summary = "; ".join(f"replica group {r} {lost_because(codes[r], ft)}" for r in lost)
+    finished = [r for r in range(plan.replicate) if (finished_step(run_dir, r) or 0) >= cfg.train.steps]
+    if finished:
+        log.warning(
+            "training finished without replica group(s) %s: %s. The run's model is complete: replica group(s) %s "
+            "trained all %d steps (their checkpoints and metrics are in %s/replica_group_<r>/); exit status %d",
+            ", ".join(map(str, lost)),
+            summary,
+            ", ".join(map(str, finished)),
+            cfg.train.steps,
+            run_dir,
+            FINISHED_WITHOUT_GROUPS,
         )
-        for replica, code in enumerate(codes)
-        if code
-    )
+        return FINISHED_WITHOUT_GROUPS, summary
     log.error("training failed: %s; see %s/train.log and %s/logs/", summary, run_dir, run_dir)
-    return summary
+    return 1, summary
+
+
+def lost_because(code: int, ft: DictConfig) -> str:
+    """Why a replica group's supervisor ended with exit status `code` (negative: the signal that killed it)."""
+    if code < 0:
+        return (
+            f"was lost: its supervisor died of {signal.Signals(-code).name}, so it could not be restarted (the "
+            "supervisor is what restarts a group)"
+        )
+    if code == 2:
+        return "cannot run (its reason is above)"
+    return f"exhausted fault_tolerance.max_restarts={ft.max_restarts}"
 
 
 def supervise(cfg: DictConfig, run_dir: Path, plan: RunPlan) -> int:
