@@ -341,6 +341,20 @@ def test_a_group_lost_in_the_last_exchange_leaves_the_survivors_one_averaged_mod
 
 
 @pytest.mark.slow
+def test_a_run_whose_exchanges_never_commit_fails_naming_the_timeout(tmp_path):
+    """fault_tolerance.timeout_s=0.001: no exchange across the groups commits, so after
+    fault_tolerance.max_failed_exchanges of them in a row each group stops with one paragraph
+    naming timeout_s, is not restarted, and the run fails; it used to skip every step and exit 0."""
+    args = [a for a in FT if not a.startswith(("fault_tolerance.timeout_s", "train.steps"))]
+    args += ["train.steps=40", "fault_tolerance.timeout_s=0.001", "fault_tolerance.max_failed_exchanges=3"]
+    proc = run_train(args, tmp_path / "run", base_env(tmp_path), tmp_path)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "the last 3 exchanges across replica groups did not commit" in proc.stderr
+    assert "fault_tolerance.timeout_s=0.001 s" in proc.stderr and "restarting it" not in proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
 def test_an_unreachable_lighthouse_fails_at_once_naming_it(tmp_path):
     """Nothing listens at the lighthouse URL: each group fails at once (a refused connection is known
     at once), not after fault_tolerance.timeout_s, with one message naming the lighthouse and the fix,

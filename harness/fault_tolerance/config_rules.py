@@ -113,13 +113,17 @@ def join_timeout_s(ft: DictConfig, groups: int) -> float:
     return 0.2 if groups == 2 else 10.0
 
 
+TORCHFT_MODULE_LOGGERS = ("torchft.manager", "torchft.process_group", "torchft.coordination", "torchft.checkpointing")
+
+
 def quiet_torchft() -> None:
     """torchft logs every quorum and commit at INFO and warns at every reconfiguration on CPU (no NCCL
     flight recorder): errors only (its Rust side through RUST_LOG), so a group's joins, leaves, heals
     and failed exchanges are the harness's own log lines; and each error as its first line, without
     the traceback and C++ frames a failed collective carries (the harness says what it did about it)."""
     os.environ.setdefault("RUST_LOG", "error")
-    for name in ("torchft", "torchft_commits", "torchft_quorums", "torchft_errors"):
+    # a logger's filters see only its own records, not its children's: each module's logger by name
+    for name in ("torchft", *TORCHFT_MODULE_LOGGERS, "torchft_commits", "torchft_quorums", "torchft_errors"):
         logger = logging.getLogger(name)
         logger.setLevel(logging.ERROR)
         if not any(isinstance(f, _FirstLine) for f in logger.filters):
