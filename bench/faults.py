@@ -16,7 +16,8 @@ Reported per job:
 useful tokens/s (the tokens the final model trained on, over the wall time: a step redone
 counts once, and a killed group's steps after its last sync, which died with it, and the
 steps it missed while down, which no group trains, count not at all), failures, steps
-redone, the heals' time, the slowest step, the final held-out loss. All step counts come
+redone, the heals' time and memory (the sender's state staged in host memory, reused from
+heal to heal; none on the device), the slowest step, the final held-out loss. All step counts come
 from the progress lines of each world's first rank (train.log_every=1). The three jobs
 run back to back once per `--seeds` seed (a round); the ratios and each failure's cost
 are given per round and as medians over the rounds, and the held-out loss with
@@ -197,6 +198,7 @@ def summarize(name: str, job: dict, tokens_per_group_step: int, groups: int, per
         kept, redone = kept + len(steps), redone + again
     replicas_per_world = 1 if fault_tolerant else groups  # a replica group's world, or the whole job's
     heals = [row["ft/heal_s"] for row in rows if "ft/heal_s" in row]
+    sent = [row["ft/heal_sent_bytes"] for row in rows if "ft/heal_sent_bytes" in row]
     step_times = [row["train/step_time_s"] for row in rows if "train/step_time_s" in row and row["step"] > 1]
     evals = [row["eval/loss"] for group_rows in job["rows"].values() for row in group_rows[-3:] if "eval/loss" in row]
     return {
@@ -206,6 +208,8 @@ def summarize(name: str, job: dict, tokens_per_group_step: int, groups: int, per
         "failures": len(job["kills"]),
         "steps_redone": redone,
         "heal_s_median": statistics.median(heals) if heals else None,
+        # a heal's extra memory on the sender: its state staged once in host memory, none on the device
+        "heal_sent_mib": max(sent) / 2**20 if sent else None,
         "slowest_step_s": max(step_times) if step_times else None,
         "median_step_s": statistics.median(step_times) if step_times else None,
         "eval_loss": statistics.fmean(evals) if evals else None,
@@ -284,9 +288,9 @@ def round_figures(clean: dict, faulty: dict, restart: dict) -> dict:
 def report(lines: list[dict], every: float, cap: int) -> None:
     print(
         "\n| groups | seed | job | wall s | useful tokens/s | failures | steps redone | heal s (median) "
-        "| slowest step s | median step s | held-out loss |"
+        "| heal host MiB (sender) | slowest step s | median step s | held-out loss |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for line in lines:
         cells = [
             line["groups"],
@@ -297,6 +301,7 @@ def report(lines: list[dict], every: float, cap: int) -> None:
             line["failures"],
             line["steps_redone"],
             "–" if line["heal_s_median"] is None else f"{line['heal_s_median']:.2f}",
+            "–" if line["heal_sent_mib"] is None else f"{line['heal_sent_mib']:.2f}",
             "–" if line["slowest_step_s"] is None else f"{line['slowest_step_s']:.2f}",
             "–" if line["median_step_s"] is None else f"{line['median_step_s']:.3f}",
             "–" if line["eval_loss"] is None else f"{line['eval_loss']:.4f}",

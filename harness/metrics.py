@@ -160,6 +160,12 @@ FT_HEAL_TIME = Metric(
     "the step a replica group was healed",
     "from asking for the quorum to holding a live peer's state: the wait for the peers' quorum, the transfer, the load",
 )
+FT_HEAL_SENT_BYTES = Metric(
+    "ft/heal_sent_bytes",
+    "bytes",
+    "the step a replica group healed a peer (on the sender)",
+    "the heal state this rank staged in host memory to send: a heal's extra memory (none on the device)",
+)
 FT_QUORUM_TIME = Metric(
     "ft/quorum_s", "s", FT_QUORUM_STEP, "waiting for the quorum at the step's start (a heal's time included)"
 )

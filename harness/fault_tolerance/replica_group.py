@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from harness import metrics
 from harness.checkpoint.checkpointer import tensor_state
@@ -47,6 +48,7 @@ class ReplicaGroup:
         self.alone_after_s = ft.quorum_timeout_s
         self.restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0  # the launcher's and torchrun's
         self.heals, self.replicas, self.joined = 0, None, False
+        self.staging = HostStaging()  # what this group sends a peer it heals
         self.row: dict = {}
         link.manager.register_state_dict_fn("harness", self._load_heal_state, self._heal_state)
 
@@ -146,17 +148,22 @@ class ReplicaGroup:
 
     def _heal_state(self) -> dict:
         """What a live peer sends a group it heals: the job's state at the start of this step, as
-        local tensors (ranks with the same shard index hold the same slices), copied, because
-        the transfer reads them while this group trains on."""
-        state = self._state()
+        local tensors (ranks with the same shard index hold the same slices), staged into host
+        memory, because the transfer reads it while this group trains on. The host buffers are
+        kept from heal to heal (pinned on CUDA), so a heal costs one host copy of a rank's state
+        and no device memory: torchft's HTTP transport serves host tensors as they are (a device
+        tensor it would copy to the host itself, after a device clone of the whole state)."""
+        state = self.staging.stage(self._state())
+        self.row[metrics.FT_HEAL_SENT_BYTES] = self.staging.nbytes
         if os.environ.get(HEAL_DIGEST_ENV) == "1":
             log.info("sending the heal state of step %d (digest %s)", state["step"], digest(state))
         return state
 
     def _state(self) -> dict:
+        """The job's state, as views of its local tensors (no copy)."""
         job = self.trainer.job
         parts = job.checkpoint_parts()
-        return _detached(
+        return _local(
             {
                 "step": self.trainer.state.step,
                 "model": {fqn: local_view(p) for fqn, p in job.model.named_parameters()},
@@ -217,14 +224,35 @@ def digest(state) -> str:
     return h.hexdigest()[:16]
 
 
-def _detached(state):
-    if isinstance(state, dict):
-        return {k: _detached(v) for k, v in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(_detached(v) for v in state)
-    if torch.is_tensor(state):
-        return local_view(state).detach().clone()
-    return state
+def _local(state):
+    """A state tree with each tensor as its local view (a DTensor's shard), detached, not copied."""
+    return tree_map(lambda v: local_view(v).detach() if torch.is_tensor(v) else v, state)
+
+
+class HostStaging:
+    """Host buffers a heal state is copied into, allocated at the first heal and reused by the next
+    ones while the state's structure stays the same (pinned when the state is on CUDA)."""
+
+    def __init__(self):
+        self.spec, self.buffers, self.nbytes = None, [], 0
+
+    @torch.no_grad()
+    def stage(self, state: dict) -> dict:
+        values, spec = tree_flatten(state)
+        tensors = [v for v in values if torch.is_tensor(v)]
+        fits = spec == self.spec and all(
+            b.shape == t.shape and b.dtype == t.dtype for b, t in zip(self.buffers, tensors)
+        )
+        if not fits:
+            pinned = any(t.is_cuda for t in tensors)
+            self.buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned) for t in tensors]
+            self.spec, self.nbytes = spec, sum(b.numel() * b.element_size() for b in self.buffers)
+        for buffer, tensor in zip(self.buffers, tensors):
+            buffer.copy_(tensor, non_blocking=True)
+        if any(t.is_cuda for t in tensors):
+            torch.cuda.synchronize()
+        staged = iter(self.buffers)
+        return tree_unflatten([next(staged) if torch.is_tensor(v) else v for v in values], spec)
 
 
 def _in_layout(optim: dict, params: dict) -> dict:
@@ -233,6 +261,8 @@ def _in_layout(optim: dict, params: dict) -> dict:
     state = {}
     for fqn, values in optim["state"].items():
         p = params[fqn]
+        device = local_view(p).device  # the sent tensors are on the host
+        values = {k: v.to(device) if torch.is_tensor(v) else v for k, v in values.items()}
         state[fqn] = {
             k: DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
             if isinstance(p, DTensor) and torch.is_tensor(v) and v.shape == local_view(p).shape and v.dim() > 0
