@@ -115,9 +115,10 @@ def run_job(
     fault_tolerant: bool,
     cwd: Path,
     steps: int,
+    wandb_mode: str,
 ) -> dict:
     marker = uuid.uuid4().hex
-    env = {**os.environ, MARKER: marker, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, MARKER: marker, "WANDB_MODE": wandb_mode, "PYTHONUNBUFFERED": "1"}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     kills: list[int] = []  # the step reached at each failure
@@ -259,6 +260,7 @@ def measure(groups: int, args: argparse.Namespace, work: Path) -> list[dict]:
                 "torchft" in name,
                 work,
                 steps,
+                args.wandb,
             )
             figures = summarize(name, job, batch * seq, groups, args.period, run_dir)
             lines.append({"groups": groups, "seed": seed, **figures})
@@ -369,6 +371,12 @@ def main() -> None:
         help="one round of the three jobs per train.seed; medians over the rounds, and the held-out loss's spread",
     )
     parser.add_argument("--keep", help="a directory to keep each job's run dir in (logs, metrics), <groups>-<job>")
+    parser.add_argument(
+        "--wandb",
+        choices=("offline", "disabled"),
+        default="offline",
+        help="every job's W&B mode: offline is the harness's default, and a restarted group opens its W&B run too",
+    )
     parser.add_argument(
         "--ft",
         nargs="*",

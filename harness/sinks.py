@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -43,6 +44,11 @@ def config_errors(cfg: DictConfig) -> list[str]:
 
 
 class MetricsSink:
+    """Rows to metrics.jsonl, W&B and TensorBoard. W&B's run opens on a thread of its own (about a
+    second offline, up to `wandb.init_timeout_s` online) while the run builds and starts training:
+    a replica group restarted after a failure asks for its first quorum without waiting for it, so
+    its peers do not either. Rows logged before it is open reach it, in order, once it is."""
+
     def __init__(self, run_dir: Path, settings: WandbConf, config: dict, enabled: bool, tensorboard: bool = False):
         """`config`: the resolved run config as plain values (W&B's run config);
         `tensorboard`: also write event files under `<run_dir>/tensorboard/`."""
@@ -50,8 +56,20 @@ class MetricsSink:
         overrides = run_dir / ".hydra" / "overrides.yaml"
         if enabled and overrides.exists():  # the command line's overrides, to filter runs by in W&B's table
             config = {**config, "overrides": OmegaConf.to_container(OmegaConf.load(overrides))}
-        self.wandb_run = _start_wandb(run_dir, settings, config) if enabled else None
+        self.wandb_run, self.wandb_pending = None, []  # the run once open, and the rows it has yet to get
+        self.wandb_opening = None
+        if enabled and (os.environ.get("WANDB_MODE") or str(settings.mode)) != "disabled":
+            self.wandb_opening = ThreadPoolExecutor(1, "harness-wandb").submit(_start_wandb, run_dir, settings, config)
         self.tensorboard = TensorBoardEvents(run_dir / "tensorboard") if enabled and tensorboard else None
+
+    def wandb(self, wait: bool = False):
+        """W&B's run, once open (None until then, or without W&B); `wait` for it to open."""
+        if self.wandb_opening is not None and (wait or self.wandb_opening.done()):
+            self.wandb_run, self.wandb_opening = self.wandb_opening.result(), None
+            for row, step in self.wandb_pending if self.wandb_run is not None else []:
+                self.wandb_run.log(row, step=step)
+            self.wandb_pending = []
+        return self.wandb_run
 
     def log(self, row: dict[str, float], step: int) -> None:
         """One row for `step`; steps must increase (W&B drops lower ones)."""
@@ -63,8 +81,10 @@ class MetricsSink:
         row = {metrics.TRAIN_STEP: step, **row}
         self.rows.write(json.dumps({"step": step, **row}) + "\n")
         self.rows.flush()
-        if self.wandb_run is not None:
+        if self.wandb() is not None:
             self.wandb_run.log(row, step=step)
+        elif self.wandb_opening is not None:
+            self.wandb_pending.append((row, step))
 
     def rewind(self, step: int) -> None:
         """Drop `metrics.jsonl` rows after `step` (a resumed run logs those steps
@@ -88,7 +108,7 @@ class MetricsSink:
             self.rows = None
         if self.tensorboard is not None:
             self.tensorboard.close()
-        if self.wandb_run is not None:
+        if self.wandb(wait=True) is not None:
             import wandb
 
             self.wandb_run.finish()

@@ -55,6 +55,7 @@ def log_rows(sink: MetricsSink, n: int = 3) -> list[dict]:
 
 
 def test_rows_reach_jsonl_and_the_offline_wandb_run(tmp_path, wandb_env):
+    """W&B's run opens on its own thread: rows logged before it is open reach it too, in order."""
     sink = MetricsSink(tmp_path, wandb_cfg(), {"a": {"b": 1}}, enabled=True)
     rows = log_rows(sink)
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -102,7 +103,7 @@ def test_online_without_network_falls_back_to_offline(tmp_path, wandb_env, monke
     monkeypatch.setenv("WANDB_API_KEY", "a" * 40)
     monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # nothing listens: connection refused
     sink = MetricsSink(tmp_path, wandb_cfg(mode="online", init_timeout_s=10), {}, enabled=True)
-    assert sink.wandb_run is not None and sink.wandb_run.settings.mode == "offline"
+    assert sink.wandb(wait=True) is not None and sink.wandb_run.settings.mode == "offline"
     log_rows(sink, n=2)
     assert "W&B mode=online failed" in caplog.text and "falling back to offline" in caplog.text
     # (the failed online attempt leaves W&B's own run-<id> folder next to it)
