@@ -462,6 +462,8 @@ class Link:
             self.ns[node],
             "env",
             f"GLOO_SOCKET_IFNAME={self.dev[node]}",
+            # torchrun's log tree (its --log-dir) next to the bench's run dirs, not a new /tmp/torchelastic_*
+            f"PET_LOG_DIR={next(a for a in train_args if a.startswith('hydra.run.dir=')).split('=', 1)[1]}-torchrun",
             sys.executable,
             "-m",
             "torch.distributed.run",

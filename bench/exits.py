@@ -87,6 +87,7 @@ def run_once(entry: Path, launcher: str, run_dir: Path) -> tuple[int, str, float
             str(entry),
         ]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    env["PET_LOG_DIR"] = str(run_dir / "torchrun-logs")  # torchrun's log tree in the run dir, not /tmp
     start = time.perf_counter()
     proc = subprocess.run(
         [*cmd, *ARGS, f"hydra.run.dir={run_dir}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300

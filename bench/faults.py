@@ -119,6 +119,7 @@ def run_job(
 ) -> dict:
     marker = uuid.uuid4().hex
     env = {**os.environ, MARKER: marker, "WANDB_MODE": wandb_mode, "PYTHONUNBUFFERED": "1"}
+    env["PET_LOG_DIR"] = str(run_dir / "torchrun-logs")  # the baseline's torchrun logs in the run dir, not /tmp
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     kills: list[int] = []  # the step reached at each failure

@@ -32,6 +32,8 @@ def base_env(tmp_path: Path) -> dict:
         WANDB_DATA_DIR=str(tmp_path / ".wandb_data"),
         PYTHONUNBUFFERED="1",
         HYDRA_FULL_ERROR="0",
+        # torchrun's per-launch log tree (its --log-dir), in the test's folder: its default is a new /tmp/torchelastic_*
+        PET_LOG_DIR=str(tmp_path / "torchrun-logs"),
     )
     env.pop("HARNESS_RUN_STAMP", None)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):

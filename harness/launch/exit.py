@@ -40,25 +40,29 @@ def exit_now_when_done() -> Iterator[None]:
     `os._exit`), but a spawned one (CUDA) ends in `sys.exit` and would finalize.
     It cannot leave inside the body, before the launcher has read its return
     value, so it leaves from an exit handler: the last one registered runs
-    first, before any object is torn down.
-
-    An exception (a bug) leaves as exit 1 with its traceback in the rank's log
-    and its first line as the rank's reason (`record_failure`), not through
-    torch's multiprocessing, which would pickle it into a
-    /tmp/pytorch-errorfile-*.pickle that no one removes."""
-    code: int | str | None = 1
+    first, before any object is torn down."""
+    code: int | str | None = 1  # an exception: multiprocessing's exit code for it
     try:
         yield
         code = 0
     except SystemExit as e:
         code = e.code
         raise
+    finally:
+        atexit.register(exit_now, code)
+
+
+def exit_on_exception(body, *args) -> None:
+    """`body(*args)` as a started rank's process runs it: an exception (a bug) leaves as exit 1 with
+    its traceback in the rank's log and its first line as the rank's reason (`record_failure`), not
+    through torch's multiprocessing, which would pickle it into a /tmp/pytorch-errorfile-*.pickle
+    that no one removes."""
+    try:
+        body(*args)
     except Exception as e:
         logging.getLogger("harness").exception("the rank failed")
         record_failure(": ".join([type(e).__name__, *str(e).splitlines()[:1]]))
         raise SystemExit(1) from None
-    finally:
-        atexit.register(exit_now, code)
 
 
 def record_failure(reason: str) -> None:

@@ -23,7 +23,7 @@ from harness.checkpoint import CheckpointError
 from harness.fault_tolerance.link import LighthouseUnreachable
 from harness.fault_tolerance.replica_group import ExchangesFailed
 from harness.launch.check import start_method
-from harness.launch.exit import exit_now_when_done, record_failure
+from harness.launch.exit import exit_now_when_done, exit_on_exception, record_failure
 from harness.launch.logs import setup_logging
 from harness.loop import run_rank
 from harness.nonfinite import NonFiniteLossError
@@ -43,7 +43,9 @@ def start_local_ranks(cfg: DictConfig, run_dir: Path, plan: RunPlan, entrypoint:
     method = start_method(cfg)
     log.info("starting %d local ranks (%s; run dir %s)", plan.world_size, method, run_dir)
     OmegaConf.resolve(cfg)
-    failures = run_local_ranks(entrypoint or rank_entrypoint, (cfg, run_dir, plan), plan.world_size, method)
+    failures = run_local_ranks(
+        entrypoint or rank_entrypoint, (cfg, run_dir, plan), plan.world_size, method, scratch=run_dir / "logs"
+    )
     if not failures:
         return None
     summary = failure_summary(failures)
@@ -64,10 +66,18 @@ def failure_summary(failures: dict[int, ProcessFailure]) -> str:
 
 
 def run_local_ranks(
-    entrypoint: Callable, args: tuple, nproc: int, start_method: str = "fork", extra_env: dict | None = None
+    entrypoint: Callable,
+    args: tuple,
+    nproc: int,
+    start_method: str = "fork",
+    extra_env: dict | None = None,
+    scratch: Path | None = None,
 ) -> dict[int, ProcessFailure]:
     """Start `nproc` ranks of `entrypoint(*args)` with torchrun's environment (plus
     `extra_env`), wait, and stop the rest when one fails; the failures by rank ({} if none).
+    torch elastic's per-rank error files go to a folder in `scratch` (the run's logs/; None:
+    the system's temporary folder), removed once the ranks have ended, and a rank's exception
+    is not pickled into /tmp (`exit_on_exception`).
 
     The elastic agent (`elastic_launch`) is not used here: it forks ranks while
     its own store-server thread serves the ranks already started, and c10d
@@ -100,12 +110,14 @@ def run_local_ranks(
     }
     # torch elastic's per-rank error files, read into the failures as the ranks end, then removed: its
     # default is a torchelastic_* tree in /tmp that every launch leaves behind
-    error_dir = tempfile.mkdtemp(prefix="harness-ranks-")
+    if scratch is not None:
+        scratch.mkdir(parents=True, exist_ok=True)
+    error_dir = tempfile.mkdtemp(prefix=".elastic-", dir=scratch)
     try:
         ranks = start_processes(
             "harness",
-            entrypoint,
-            {rank: args for rank in range(nproc)},
+            exit_on_exception,
+            {rank: (entrypoint, *args) for rank in range(nproc)},
             envs,
             DefaultLogsSpecs(log_dir=error_dir),
             start_method=start_method,

@@ -130,7 +130,7 @@ def supervise(cfg: DictConfig, run_dir: Path, plan: RunPlan) -> int:
 
     for attempt in range(restarts + 1):
         env = {"TORCHELASTIC_RESTART_COUNT": str(attempt)}
-        failures = run_local_ranks(rank_entrypoint, (cfg, run_dir, plan), plan.shard, method, env)
+        failures = run_local_ranks(rank_entrypoint, (cfg, run_dir, plan), plan.shard, method, env, run_dir / "logs")
         if not failures:
             return 0
         why = failure_summary(failures)
