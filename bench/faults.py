@@ -6,18 +6,21 @@ the same failures, next to the same run without failures.
     python bench/faults.py --smoke         # 2 groups, one failure, a few steps
 
 Each job is the real CLI in a subprocess: `python train.py fault_tolerance=torchft` (one
-rank per replica group, DiLoCo), and `torchrun --max-restarts` over the same ranks with
-`checkpoint=sharded` every few steps. A fault injector in this process SIGKILLs one
-random rank (a random group's ranks, found by REPLICA_GROUP_ID) every `--every` seconds
-of the job's wall time until one of its worlds has trained every step (or `--failures`
-times), and only processes carrying this bench's marker in their environment: each job
-runs at the same failure rate, so a job that recovers slowly also sees more failures.
-Reported per job:
-useful tokens/s (the tokens the final model trained on, over the wall time: a step redone
-counts once, and a killed group's steps after its last sync, which died with it, and the
-steps it missed while down, which no group trains, count not at all), failures, steps
-redone, the heals' time and memory (the sender's state staged in host memory, reused from
-heal to heal; none on the device), the slowest step, the final held-out loss. All step counts come
+rank per replica group, DiLoCo, or with `--averager none` synchronous training: a quorum
+and a gradient exchange across the groups every step), and `torchrun --max-restarts` over
+the same ranks with `checkpoint=sharded` every few steps. A fault injector in this process
+SIGKILLs one random rank (a random group's ranks, found by REPLICA_GROUP_ID) every `--every`
+seconds of the job's wall time until one of its worlds has trained every step (or
+`--failures` times), and only processes carrying this bench's marker in their environment:
+each job runs at the same failure rate, so a job that recovers slowly also sees more
+failures. Reported per job: useful tokens/s (the tokens the final model trained on, over
+the wall time: a step redone counts once, and a killed group's steps after its last sync,
+which died with it, the steps it missed while down, which no group trains, and a
+synchronous step skipped because its exchange did not commit, count not at all),
+failures, steps redone, steps skipped, the heals' time and memory (the sender's state
+staged in host memory, reused from heal to heal; none on the device), the slowest step,
+the median quorum (its share of the step without failures is reported on its own), the
+final held-out loss. All step counts come
 from the progress lines of each world's first rank (train.log_every=1). The three jobs
 run back to back once per `--seeds` seed (a round); the ratios and each failure's cost
 are given per round and as medians over the rounds, and the held-out loss with
@@ -47,16 +50,17 @@ MARKER = "HARNESS_FAULTS_BENCH"  # only processes with this bench run's marker a
 BATCH = {True: (4, 16), False: (8, 64)}  # (train.batch_size, train.seq_len) of the smoke and of the full size
 
 
-def job_args(steps: int, period: int, smoke: bool) -> list[str]:
+def job_args(steps: int, period: int, smoke: bool, synchronous: bool) -> list[str]:
     batch, seq = BATCH[smoke]
+    averager = ["averager=none"]
+    if not synchronous:
+        averager = ["averager=diloco", "averager.warmup_steps=0", f"averager.period={period}"]
     return [
         "model=mlp" if smoke else "model=gpt",
         f"train.batch_size={batch}",
         f"train.seq_len={seq}",
         "sharding=no_shard",
-        "averager=diloco",
-        "averager.warmup_steps=0",
-        f"averager.period={period}",
+        *averager,
         f"train.steps={steps}",
         "train.log_every=1",
         f"train.eval_every={steps}",
@@ -161,23 +165,31 @@ def read_rows(run_dir: Path) -> dict[str, list[dict]]:
     }
 
 
-def attempts(log: Path) -> list[list[int]]:
+def attempts(log: Path) -> tuple[list[list[int]], int]:
     """The steps a world's first rank trained, one list per attempt (every attempt appends to
-    the same log, and starts with its "world N, mesh ..." line)."""
+    the same log, and starts with its "world N, mesh ..." line), less the synchronous steps it
+    skipped (their gradient exchange did not commit); and how many it skipped."""
     runs: list[list[int]] = []
+    skipped = 0
     for line in log.read_text().splitlines() if log.exists() else []:
         if "] - world " in line:
             runs.append([])
         elif (step := re.search(r"\] - step (\d+)/\d+ \|", line)) and runs:
             runs[-1].append(int(step.group(1)))
-    return runs
+        elif (step := re.search(r"\] - step (\d+): the gradient exchange .* step skipped", line)) and runs:
+            runs[-1].append(-int(step.group(1)))  # its progress line follows: not kept
+    for steps in runs:
+        dropped = {-s for s in steps if s < 0}
+        skipped += len(dropped)
+        steps[:] = [s for s in steps if s > 0 and s not in dropped]
+    return runs, skipped
 
 
 def kept_steps(runs: list[list[int]], period: int | None) -> tuple[set[int], int]:
     """(the steps whose training the final model keeps, steps trained more than once) for one world.
     `period`: a replica group's (fault tolerance), whose killed attempt loses its steps after its
-    last sync, as they lived only in its memory; None: a whole-job world, which resumes from a
-    checkpoint and so redoes, and keeps, every step it trained."""
+    last sync, as they lived only in its memory (1: synchronous, every step a sync); None: a
+    whole-job world, which resumes from a checkpoint and so redoes, and keeps, every step it trained."""
     kept: set[int] = set()
     trained = 0
     for i, steps in enumerate(runs):
@@ -194,14 +206,16 @@ def summarize(name: str, job: dict, tokens_per_group_step: int, groups: int, per
     rows = [row for group_rows in job["rows"].values() for row in group_rows]
     fault_tolerant = "torchft" in name
     logs = [run_dir / "train.log", *sorted((run_dir / "logs").glob("rank*.log"))]
-    kept = redone = 0
+    kept = redone = skipped = 0
     for log in logs:
-        steps, again = kept_steps(attempts(log), period if fault_tolerant else None)
-        kept, redone = kept + len(steps), redone + again
+        runs, not_committed = attempts(log)
+        steps, again = kept_steps(runs, period if fault_tolerant else None)
+        kept, redone, skipped = kept + len(steps), redone + again, skipped + not_committed
     replicas_per_world = 1 if fault_tolerant else groups  # a replica group's world, or the whole job's
     heals = [row["ft/heal_s"] for row in rows if "ft/heal_s" in row]
     sent = [row["ft/heal_sent_bytes"] for row in rows if "ft/heal_sent_bytes" in row]
     step_times = [row["train/step_time_s"] for row in rows if "train/step_time_s" in row and row["step"] > 1]
+    quorums = [row["ft/quorum_s"] for row in rows if "ft/quorum_s" in row and row["step"] > 1]
     evals = [row["eval/loss"] for group_rows in job["rows"].values() for row in group_rows[-3:] if "eval/loss" in row]
     return {
         "job": name,
@@ -209,18 +223,22 @@ def summarize(name: str, job: dict, tokens_per_group_step: int, groups: int, per
         "useful_tokens_per_s": kept * replicas_per_world * tokens_per_group_step / job["wall_s"],
         "failures": len(job["kills"]),
         "steps_redone": redone,
+        "steps_skipped": skipped,  # synchronous steps whose exchange did not commit, summed over the groups
         "heal_s_median": statistics.median(heals) if heals else None,
         # a heal's extra memory on the sender: its state staged once in host memory, none on the device
         "heal_sent_mib": max(sent) / 2**20 if sent else None,
         "slowest_step_s": max(step_times) if step_times else None,
         "median_step_s": statistics.median(step_times) if step_times else None,
+        "quorum_s_median": statistics.median(quorums) if quorums else None,
         "eval_loss": statistics.fmean(evals) if evals else None,
     }
 
 
 def measure(groups: int, args: argparse.Namespace, work: Path) -> list[dict]:
     steps, smoke = args.steps, args.smoke
-    base = job_args(steps, args.period, smoke)
+    synchronous = args.averager == "none"
+    base = job_args(steps, args.period, smoke, synchronous)
+    period = 1 if synchronous else args.period  # a replica group's steps since its last sync die with it
     batch, seq = BATCH[smoke]
     ft = [sys.executable, str(REPO / "train.py"), "fault_tolerance=torchft", f"launcher.nproc={groups}", *base]
     ft.append(f"fault_tolerance.max_restarts={args.failures + 1}")  # one group may take every failure
@@ -263,7 +281,7 @@ def measure(groups: int, args: argparse.Namespace, work: Path) -> list[dict]:
                 steps,
                 args.wandb,
             )
-            figures = summarize(name, job, batch * seq, groups, args.period, run_dir)
+            figures = summarize(name, job, batch * seq, groups, period, run_dir)
             lines.append({"groups": groups, "seed": seed, **figures})
             print(json.dumps(lines[-1]), flush=True)
     return lines
@@ -290,10 +308,11 @@ def round_figures(clean: dict, faulty: dict, restart: dict) -> dict:
 
 def report(lines: list[dict], every: float, cap: int) -> None:
     print(
-        "\n| groups | seed | job | wall s | useful tokens/s | failures | steps redone | heal s (median) "
-        "| heal host MiB (sender) | slowest step s | median step s | held-out loss |"
+        "\n| groups | seed | job | wall s | useful tokens/s | failures | steps redone | steps skipped "
+        "| heal s (median) | heal host MiB (sender) | slowest step s | median step s | quorum s (median) "
+        "| held-out loss |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for line in lines:
         cells = [
             line["groups"],
@@ -303,10 +322,12 @@ def report(lines: list[dict], every: float, cap: int) -> None:
             f"{line['useful_tokens_per_s']:.0f}",
             line["failures"],
             line["steps_redone"],
+            line["steps_skipped"],
             "–" if line["heal_s_median"] is None else f"{line['heal_s_median']:.2f}",
             "–" if line["heal_sent_mib"] is None else f"{line['heal_sent_mib']:.2f}",
             "–" if line["slowest_step_s"] is None else f"{line['slowest_step_s']:.2f}",
             "–" if line["median_step_s"] is None else f"{line['median_step_s']:.3f}",
+            "–" if line["quorum_s_median"] is None else f"{line['quorum_s_median']:.4f}",
             "–" if line["eval_loss"] is None else f"{line['eval_loss']:.4f}",
         ]
         print("| " + " | ".join(map(str, cells)) + " |")
@@ -335,6 +356,17 @@ def report(lines: list[dict], every: float, cap: int) -> None:
             + f"); a failure costs the fault-tolerant job {median['f']:.2f} s and the baseline {median['c']:.2f} s, "
             f"so both targets hold for a failure every {10 * median['f']:.1f} to {2 * median['c'] - median['f']:.1f} s"
         )
+        quorum = [
+            line["quorum_s_median"] / line["median_step_s"]
+            for line in mine
+            if line["job"] == "torchft, no failures" and line["quorum_s_median"] is not None
+        ]
+        if quorum:  # a quorum every step (synchronous), or at each sync
+            print(
+                f"{groups} groups: the quorum's median time over the median step without failures, "
+                + ", ".join(f"{q:.3f}" for q in quorum)
+                + f" (median {statistics.median(quorum):.3f}; target <= 0.02 with a quorum every step)"
+            )
         capped = [job.split(",")[0] for job, n in failures.items() if max(n) >= cap]
         if capped:
             print(
@@ -358,6 +390,12 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="2 groups, one failure, a few steps (tests/test_bench.py)")
     parser.add_argument("--groups", default="2,4", help="replica groups (one CPU rank each), comma-separated")
     parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument(
+        "--averager",
+        choices=("diloco", "none"),
+        default="diloco",
+        help="what every job trains: DiLoCo, or synchronous training (averager=none: a quorum every step)",
+    )
     parser.add_argument("--period", type=int, default=8, help="DiLoCo's averager.period")
     parser.add_argument("--every", type=float, default=10.0, help="seconds between failures")
     parser.add_argument(

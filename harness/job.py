@@ -27,6 +27,8 @@ from harness.sharding import (
     resolve_dtype,
 )
 
+BUCKET_BYTES = 25 * 2**20  # a replica of one device's gradient buckets across replica groups (DDP's default)
+
 
 class Stateful(Protocol):
     """A named part of a checkpoint (DCP's `Stateful`): its small state goes into
@@ -107,7 +109,10 @@ def build_job(cfg: DictConfig, env: DistEnv, plan: RunPlan, link: ReplicaLink | 
     reduction = None
     if one_device and plan.replicate > 1:  # before the optimizer: a step in backward takes the reduced gradient
         reduce_dtype = resolve_dtype(cfg.sharding.reduce_dtype, env.device, low_precision_on_cuda=False)
-        reduction = GradientReduction(model, reduce_dtype)
+        # through torchft's process group each collective costs a round trip: buckets, unless a parameter steps
+        # on its own reduced gradient in backward
+        bucketed = link is not None and not cfg.optimizer.get("in_backward")
+        reduction = GradientReduction(model, reduce_dtype, BUCKET_BYTES if bucketed else 0)
     optimizer = build_local_optimizer(cfg.optimizer, model.parameters(), env.device)
     lr_schedule = build_lr_schedule(cfg.lr_scheduler, optimizer, cfg.train.steps)
     optimizer, cross_replica = setup_cross_replica(

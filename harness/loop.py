@@ -91,11 +91,10 @@ class Trainer:
         replica_group: int | None = None,
     ):
         self.job, self.cfg, self.env = job, cfg.train, env
-        # fault_tolerance=torchft: this world is replica group `replica_group`, its peers behind the averager's link
+        # fault_tolerance=torchft: this world is replica group `replica_group`, its peers behind the replica link
         self.replica_group = None
         if replica_group is not None:
-            link = job.cross_replica.averager.link
-            ft = cfg.fault_tolerance
+            ft, link = cfg.fault_tolerance, job.cross_replica.link
             self.replica_group = ReplicaGroup(self, link, replica_group, env.world_size, cfg.train.seed, ft, run_dir)
         run_config = plain(cfg)
         self.checkpointer = Checkpointer(
@@ -172,7 +171,7 @@ class Trainer:
                 job.optimizer.step()  # with an averager: the local step, then maybe averaging across replicas
                 if self.replica_group is not None and step == cfg.steps:  # the run ends with the survivors' average
                     self.replica_group.complete_the_last_exchange()
-            elif finite:  # fault tolerance: a warmup step whose gradient exchange did not commit
+            elif finite:  # fault tolerance: a synchronous step whose gradient exchange did not commit
                 log.warning("step %d: the gradient exchange across replica groups failed; step skipped", step)
             job.optimizer.zero_grad(set_to_none=True)
             lr = job.lr_schedule.lr  # the rate this step trained at, for the log

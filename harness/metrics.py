@@ -154,6 +154,13 @@ FT = "every logged row, with fault_tolerance=torchft"
 FT_QUORUM_STEP = "steps that opened a quorum, with fault_tolerance=torchft"
 FT_REPLICAS = Metric("ft/replicas", "", FT, "replica groups in the quorum of this group's last quorum")
 FT_HEALS = Metric("ft/heals", "", FT, "times this replica group was healed from a live peer, cumulative")
+FT_SKIPPED_STEPS = Metric(
+    "ft/skipped_steps",
+    "",
+    FT,
+    "steps whose gradient exchange across replica groups did not commit, so the step was skipped (synchronous "
+    "steps: averager=none, or an averager's warmup), cumulative since this group's (re)start",
+)
 FT_HEAL_TIME = Metric(
     "ft/heal_s",
     "s",

@@ -111,17 +111,22 @@ class GradientReduction:
     goes to the hook `set_all_reduce_hook` gave (harness.averaging's
     cross-replica mean), in `reduce_dtype`, in place.
 
-    One parameter at a time, as backward produces them, so that a parameter
-    stepped in backward (`optimizer.in_backward`, whose hooks are registered
-    after these) steps on the reduced gradient. Every replica runs the same
-    graph, so the collectives come in the same order on every rank, as FSDP2's
-    reduce-scatters do. (DDP buckets and overlaps them: `sharding=ddp`.)
+    By default one parameter at a time, as backward produces them, so that a
+    parameter stepped in backward (`optimizer.in_backward`, whose hooks are
+    registered after these) steps on the reduced gradient. Every replica runs the
+    same graph, so the collectives come in the same order on every rank, as
+    FSDP2's reduce-scatters do. With `bucket_bytes`, the gradients go to the hook
+    as flat buckets of about that size, in the order backward produced them, the
+    last when backward ends (as DDP's buckets: one collective per bucket, which
+    pays where each costs a round trip, as through torchft's process group).
     """
 
-    def __init__(self, model: nn.Module, reduce_dtype: torch.dtype):
-        self.reduce_dtype = reduce_dtype
+    def __init__(self, model: nn.Module, reduce_dtype: torch.dtype, bucket_bytes: int = 0):
+        self.reduce_dtype, self.bucket_bytes = reduce_dtype, bucket_bytes
         self.hook = None
         self.requires_sync = True
+        self.bucket: list[torch.Tensor] = []  # gradients waiting for their bucket to fill
+        self.flush_queued = False
         for p in model.parameters():
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._reduce)
@@ -136,6 +141,9 @@ class GradientReduction:
     def _reduce(self, param: torch.Tensor) -> None:
         if self.hook is None or not self.requires_sync:
             return
+        if self.bucket_bytes:
+            self._add_to_bucket(param.grad)
+            return
         grad = param.grad
         if grad.dtype == self.reduce_dtype:
             self.hook(grad)
@@ -143,6 +151,28 @@ class GradientReduction:
         reduced = grad.to(self.reduce_dtype)
         self.hook(reduced)
         grad.copy_(reduced)
+
+    def _add_to_bucket(self, grad: torch.Tensor) -> None:
+        if not self.flush_queued:  # the last bucket goes when this backward ends
+            torch.autograd.Variable._execution_engine.queue_callback(self._flush)
+            self.flush_queued = True
+        self.bucket.append(grad)
+        if sum(g.numel() for g in self.bucket) * self.reduce_dtype.itemsize >= self.bucket_bytes:
+            self._reduce_bucket()
+
+    @torch.no_grad()
+    def _flush(self) -> None:
+        self.flush_queued = False
+        self._reduce_bucket()
+
+    def _reduce_bucket(self) -> None:
+        if not self.bucket:
+            return
+        grads, self.bucket = self.bucket, []
+        flat = torch.cat([g.reshape(-1).to(self.reduce_dtype) for g in grads])
+        self.hook(flat)
+        for grad, reduced in zip(grads, flat.split([g.numel() for g in grads])):
+            grad.copy_(reduced.view_as(grad))
 
 
 def apply_sharding(

@@ -119,10 +119,14 @@ SETTLED = [
         ["checkpoint.resume={tmp}/deep/step_5"],
         ["model.n_layer: saved 8, configured 4", "Fix:"],
     ),
-    ("ft with one replica", ["fault_tolerance=torchft", "sharding=full_shard"], ["survives only by its peers", "Fix:"]),
+    (  # synchronous training too (averager=none): a group survives only by its peers
+        "ft with one replica",
+        ["fault_tolerance=torchft", "sharding=full_shard", "averager=none"],
+        ["survives only by its peers", "Fix:"],
+    ),
     (
         "ft quorum above the groups",
-        ["fault_tolerance=torchft", "sharding=no_shard", "fault_tolerance.min_replicas=3"],
+        ["fault_tolerance=torchft", "sharding=no_shard", "averager=none", "fault_tolerance.min_replicas=3"],
         ["fault_tolerance.min_replicas=3 must be between 1 and the 2 replica groups", "Fix:"],
     ),
     (
@@ -139,6 +143,11 @@ SETTLED = [
         "ft replica id under the launcher",
         ["fault_tolerance=torchft", "sharding=no_shard", "fault_tolerance.replica_id=5"],
         ["fault_tolerance.replica_id=5", "starts every replica group itself", "Fix: drop fault_tolerance.replica_id"],
+    ),
+    (
+        "ft synchronous steps in backward",
+        ["fault_tolerance=torchft", "sharding=no_shard", "averager=none", "optimizer.in_backward=true"],
+        ["optimizer.in_backward=true with fault_tolerance=torchft", "only once its gradient exchange", "Fix:"],
     ),
     (
         "ft no failed exchange allowed",

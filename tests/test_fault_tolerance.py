@@ -34,6 +34,9 @@ FT = [
     f"fault_tolerance.timeout_s={TIMEOUT_S}",
 ]
 AVERAGERS = {
+    # torchft's fault-tolerant HSDP: every step's gradients cross the groups; one thread per rank, so that
+    # every run of it computes alike (the equivalence with one world and with torchft's DDP)
+    "synchronous": ["averager=none", "dist.threads_per_rank=1", "checkpoint=full"],
     "periodic": ["averager=periodic", "averager.warmup_steps=4", "averager.period=4"],
     "streaming_diloco": [  # in 8 bits, and saving: the kill is aimed inside one of group 1's saves
         "averager=diloco",
@@ -113,7 +116,8 @@ def test_a_killed_replica_group_heals_while_the_other_trains_on(tmp_path, averag
     """Group 1's rank is SIGKILLed mid-run (with periodic, again while its restart joins, during
     its quorum and heal): group 0 never stops or redoes a step (one row per step, no resume, no
     long wait); group 1 alone is restarted, heals from group 0 at a quorum and then holds bit
-    for bit the state group 0 sent; both finish, in one run that exits 0."""
+    for bit the state group 0 sent; both finish, in one run that exits 0. Synchronous groups
+    (averager=none) log every step and end on one model, bit for bit."""
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, str(TRAIN), *FT, *AVERAGERS[averager], f"hydra.run.dir={run_dir}"],
@@ -148,6 +152,8 @@ def test_a_killed_replica_group_heals_while_the_other_trains_on(tmp_path, averag
     survivor = read_metrics(run_dir / "replica_group_0")
     steps = [row["step"] for row in survivor]
     assert steps == sorted(set(steps)) and steps[-1] == 120, "the survivor redid or skipped a step"
+    if averager == "synchronous":  # a quorum every step: a row every step, a skipped one too
+        assert steps == list(range(1, 121))
     assert all("run/resumed_from_step" not in row for row in survivor)
     assert survivor[-1]["ft/heals"] == 0 and survivor[-1]["ft/replicas"] == 2
     # around a failure the survivor waits for the lighthouse to give up on the dead group (heartbeat_timeout_s,
@@ -166,6 +172,10 @@ def test_a_killed_replica_group_heals_while_the_other_trains_on(tmp_path, averag
             done = [p for p in saved.iterdir() if not p.name.endswith(".partial")]
             assert done and all((p / "meta.json").is_file() for p in done)
             assert max(int(p.name.split("_")[1]) for p in done) == 120
+
+    if averager == "synchronous":  # after the heal the groups train as one: one model at the end
+        final = [saved_state(run_dir / f"replica_group_{g}" / "checkpoints" / "step_120", tmp_path) for g in (0, 1)]
+        assert_bitwise_equal(*({part: state[part] for part in ("model", "optim")} for state in final))
 
     # heal exactness: the digest of what group 0 sent equals the digest of group 1's state after loading it
     logs = (run_dir / "train.log").read_text() + (run_dir / "logs" / "rank1.log").read_text()
@@ -288,7 +298,7 @@ LAST_EXCHANGE_OPENS = {"periodic": 21, "streaming_diloco": 20}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("averager", sorted(AVERAGERS))
+@pytest.mark.parametrize("averager", sorted(LAST_EXCHANGE_OPENS))
 def test_a_group_lost_in_the_last_exchange_leaves_the_survivors_one_averaged_model(tmp_path, averager):
     """Three torchrun groups; group 2 dies inside the exchange applied at the run's last step, which
     no later sync can take in: the two survivors redo it among themselves (a quorum of the last
@@ -338,6 +348,101 @@ def test_a_group_lost_in_the_last_exchange_leaves_the_survivors_one_averaged_mod
     for group in (0, 1):
         rows = read_metrics(run_dir / f"replica_group_{group}")
         assert rows[-1]["step"] == 21 and rows[-1]["ft/replicas"] == 2
+
+
+@pytest.mark.slow
+def test_synchronous_groups_agree_bit_for_bit_after_a_kill_inside_the_gradient_all_reduce(tmp_path):
+    """averager=none, three torchrun groups; group 2 SIGKILLs itself inside step 10's gradient all-reduce,
+    once its side has started, so a survivor may hold part of its data: one survivor may commit the step
+    while the other does not, and they would fork. The lighthouse forms quorums of all three only (its
+    min_replicas=3: the survivors wait at step 11 for group 2's restart, so the test does not depend on
+    who is quick). Each survivor logs every step once (a skipped step is a row too) and exits 0; at step
+    11's quorum the restarted group 2, and a survivor that did not commit step 10 while the other did,
+    are healed from a live peer, bit for bit (by digest); all three end on one model and optimizer state,
+    bit for bit."""
+    from torchft.coordination import LighthouseServer
+
+    run_dir = tmp_path / "run"
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=3, join_timeout_ms=10000, heartbeat_timeout_ms=500)
+    args = [a for a in FT if not a.startswith(("launcher.", "train.steps"))] + AVERAGERS["synchronous"]
+    args += ["train.steps=20", f"hydra.run.dir={run_dir}"]
+    env = {**base_env(tmp_path), "HARNESS_HEAL_DIGEST": "1"}
+    victim_env = {**env, "HARNESS_TEST_DIE_AT_STEP": "10", "HARNESS_TEST_DIE_IN": "all_reduce"}
+    probe = Path(__file__).parent / "probes" / "dies_in_exchange.py"
+    groups = []
+    try:
+        groups += [start_torchrun_group(g, 3, lighthouse.address(), args, env, tmp_path, restarts=0) for g in (0, 1)]
+        groups.append(start_torchrun_group(2, 3, lighthouse.address(), args, victim_env, tmp_path, probe, 1))
+        results = [(group, *group.communicate(timeout=400)) for group in groups]
+    finally:
+        for group in groups:
+            if group.poll() is None:
+                group.kill()
+        lighthouse.shutdown()
+    for group, stdout, stderr in results:
+        check_ok(subprocess.CompletedProcess(group.args, group.returncode, stdout, stderr))
+    rows = [read_metrics(run_dir / f"replica_group_{group}") for group in range(3)]
+    for survivor in rows[:2]:
+        assert [row["step"] for row in survivor] == list(range(1, 21)), "a survivor skipped or redid a row"
+        assert survivor[-1]["ft/replicas"] == 3 and survivor[-1]["ft/skipped_steps"] <= 1
+    assert rows[2][-1]["ft/heals"] == 1 and rows[2][-1]["step"] == 20
+    skipped = [survivor[-1]["ft/skipped_steps"] for survivor in rows[:2]]
+
+    final = [saved_state(run_dir / f"replica_group_{g}" / "checkpoints" / "step_20", tmp_path) for g in range(3)]
+    for state in final[1:]:
+        assert_bitwise_equal(*({part: s[part] for part in ("model", "optim")} for s in (final[0], state)))
+
+    logs = "".join((run_dir / name).read_text() for name in ("train.log", "logs/rank1.log", "logs/rank2.log"))
+    sent = dict(re.findall(r"sending the heal state of step (\d+) \(digest (\w+)\)", logs))
+    received = re.findall(r"healed from a live peer at step (\d+) \(digest (\w+)\)", logs)
+    # group 2, and the survivor that skipped step 10 if the other committed it (the fork)
+    assert len(received) == 1 + (skipped[0] != skipped[1]), received
+    for step, value in received:
+        assert step == "10" and sent.get(step) == value, f"heal at step {step}: sent {sent.get(step)}, holds {value}"
+
+
+@pytest.mark.slow
+def test_synchronous_groups_train_what_one_world_and_torchft_ddp_train(tmp_path):
+    """Without failures, two synchronous replica groups (`fault_tolerance=torchft averager=none`) end
+    on the parameters, bit for bit, of the same layout in one world without fault tolerance, and of
+    torchft's own DistributedDataParallel and OptimizerWrapper over real Managers and a lighthouse
+    (tests/probes/torchft_ddp.py) given the same model, batches and optimizer."""
+    import torch
+    from torchft.coordination import LighthouseServer
+
+    common = [a for a in FT if not a.startswith(("fault_tolerance", "train.steps"))] + AVERAGERS["synchronous"]
+    common += ["train.steps=10", "train.grad_clip=0"]
+    env = base_env(tmp_path)
+    check_ok(run_train(["fault_tolerance=torchft", *common], tmp_path / "ft", env, tmp_path))
+    check_ok(run_train(common, tmp_path / "one_world", env, tmp_path))
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=200, heartbeat_timeout_ms=500)
+    probe = Path(__file__).parent / "probes" / "torchft_ddp.py"
+    try:
+        replicas = [
+            subprocess.Popen(
+                [sys.executable, str(probe), str(tmp_path / f"torchft_{r}.pt"), str(r), "2", lighthouse.address()]
+                + common,
+                env=env,
+                cwd=tmp_path,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )  # fmt: skip
+            for r in (0, 1)
+        ]
+        for replica in replicas:
+            stdout, stderr = replica.communicate(timeout=300)
+            check_ok(subprocess.CompletedProcess(replica.args, replica.returncode, stdout, stderr))
+    finally:
+        lighthouse.shutdown()
+    one_world = torch_load(tmp_path / "one_world" / "checkpoints" / "step_10" / "full.pt")
+    for r in (0, 1):
+        ours = torch_load(tmp_path / "ft" / f"replica_group_{r}" / "checkpoints" / "step_10" / "full.pt")
+        theirs = torch.load(tmp_path / f"torchft_{r}.pt", weights_only=True)["params"]
+        assert ours.keys() == one_world.keys() == theirs.keys()
+        for name, value in ours.items():
+            assert torch.equal(value, one_world[name]), (r, name, "one world")
+            assert torch.equal(value, theirs[name]), (r, name, "torchft")
 
 
 @pytest.mark.slow

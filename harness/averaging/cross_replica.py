@@ -15,7 +15,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.optim import PostLocalSGDOptimizer
 
 from harness.averaging.averagers import ReplicaAverager
-from harness.averaging.hooks import count_synchronous_gradients, sync_gradients_during_warmup
+from harness.averaging.hooks import (
+    count_synchronous_gradients,
+    mean_over_replicas,
+    set_all_reduce_hook,
+    sync_gradients_during_warmup,
+)
 from harness.averaging.link import ReplicaLink
 from harness.averaging.traffic import CrossReplicaTraffic
 from harness.sharding import GradientReduction
@@ -43,8 +48,11 @@ def setup_cross_replica(
         return optimizer, None
     traffic = CrossReplicaTraffic()
     if not averaging:
-        count_synchronous_gradients(model, traffic, reduction, mesh)
-        return optimizer, CrossReplica(traffic, None)
+        if link is None:
+            count_synchronous_gradients(model, traffic, reduction, mesh)
+        else:  # replica groups (fault tolerance): every step's gradients cross the link
+            set_all_reduce_hook(model, reduction, lambda gradient: mean_over_replicas(gradient, link, traffic))
+        return optimizer, CrossReplica(traffic, None, link=link)
     # partial first: instantiate would merge (and copy) keyword objects into the config;
     # not recursive: nested configs (DiLoCo's outer optimizer) are the averager's to build
     build = instantiate(cfg, _partial_=True, _recursive_=False)
@@ -53,7 +61,8 @@ def setup_cross_replica(
     extra = {**({"model": model} if wants_model else {}), **({"link": link} if link is not None else {})}
     averager = build(mesh=mesh, traffic=traffic, **extra)
     ddp_state = sync_gradients_during_warmup(model, mesh, averager, traffic, reduction)
-    return PostLocalSGDOptimizer(optim=optimizer, averager=averager), CrossReplica(traffic, averager, ddp_state)
+    optimizer = PostLocalSGDOptimizer(optim=optimizer, averager=averager)
+    return optimizer, CrossReplica(traffic, averager, ddp_state, link)
 
 
 def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -66,6 +75,16 @@ class CrossReplica:
     traffic: CrossReplicaTraffic
     averager: ReplicaAverager | None
     ddp_state: PostLocalSGDState | None = None  # the DDP hook's own iteration counter
+    link: ReplicaLink | None = None  # the replica groups' link (fault tolerance); None: the replicas are this mesh's
+
+    @property
+    def synchronous(self) -> bool:
+        """The step being taken exchanges gradients across replicas (no averager, or its warmup)."""
+        return self.averager is None or self.averager.synchronous
+
+    def crosses_replicas(self) -> bool:
+        """The step being taken exchanges anything across replicas (its gradients, or a sync after it)."""
+        return self.averager is None or self.averager.crosses_replicas()
 
     @property
     def averaged_this_step(self) -> bool:
@@ -85,8 +104,7 @@ class CrossReplica:
         return self.averager.checkpoint_part if self.averager is not None else None
 
     def state_dict(self) -> dict:
-        part = self._averager_part
-        link = self.averager.link if self.averager is not None else None
+        part, link = self._averager_part, self.link
         return {
             "averager_step": self.averager.step if self.averager is not None else None,
             "cross_replica_bytes_total": self.traffic.total_bytes,
@@ -116,5 +134,5 @@ class CrossReplica:
             part = self._averager_part
             if part is not None:
                 part.load_state_dict(state.get("averager", {}))
-            if hasattr(self.averager.link, "load_state_dict") and "replica_link" in state:
-                self.averager.link.load_state_dict(state["replica_link"])
+        if hasattr(self.link, "load_state_dict") and "replica_link" in state:
+            self.link.load_state_dict(state["replica_link"])

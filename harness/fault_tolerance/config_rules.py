@@ -70,13 +70,14 @@ def config_errors(cfg: DictConfig, replicas: int | None) -> list[str]:
             "replica link. Fix: sharding=no_shard (one replica per rank) or hybrid_shard."
         )
     target = cfg.averager.get("_target_")
-    if target is None:
+    if (target is None or cfg.averager.get("warmup_steps")) and cfg.optimizer.get("in_backward"):
         errors.append(
-            "averager=none with fault_tolerance=torchft: synchronous training crosses replicas at every step, so "
-            "one lost group stalls every step; replica groups pay off with local SGD. "
-            "Fix: averager=periodic or averager=diloco."
+            "optimizer.in_backward=true with fault_tolerance=torchft and synchronous steps (averager=none, or "
+            "an averager's warmup_steps): such a step is taken only once its gradient exchange across replica "
+            "groups committed, but in backward each parameter steps before that is known. Fix: "
+            "optimizer.in_backward=false, or an averager with averager.warmup_steps=0."
         )
-    elif "Hierarchical" in str(target):
+    if target is not None and "Hierarchical" in str(target):
         errors.append(
             "averager=hierarchical with fault_tolerance=torchft: it averages within fixed subsets of replicas, "
             "which a quorum that changes at run time cannot keep. Fix: averager=periodic or averager=diloco."

@@ -47,7 +47,7 @@ class ReplicaGroup:
         self.shard, self.seed, self.ft, self.outputs = shard, seed, ft, outputs
         self.alone_after_s = ft.quorum_timeout_s
         self.restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0  # the launcher's and torchrun's
-        self.heals, self.replicas, self.joined = 0, None, False
+        self.heals, self.skipped_steps, self.replicas, self.joined = 0, 0, None, False
         self.staging = HostStaging()  # what this group sends a peer it heals
         self.row: dict = {}
         link.manager.register_state_dict_fn("harness", self._load_heal_state, self._heal_state)
@@ -55,7 +55,6 @@ class ReplicaGroup:
     def before_step(self) -> None:
         """Open a quorum if the coming step crosses replicas (or is this group's first):
         a heal here replaces every part of the job, the trainer's step included."""
-        averager = self.trainer.job.cross_replica.averager
         if self.link.failed_in_a_row >= self.ft.max_failed_exchanges:
             raise ExchangesFailed(
                 f"fault_tolerance: the last {self.link.failed_in_a_row} exchanges across replica groups did not "
@@ -64,7 +63,7 @@ class ReplicaGroup:
                 "raise fault_tolerance.timeout_s if the collectives need longer; the groups' logs name the failing "
                 "collective; fault_tolerance.max_failed_exchanges allows more in a row."
             )
-        if self.joined and not averager.crosses_replicas():
+        if self.joined and not self.trainer.job.cross_replica.crosses_replicas():
             return
         heals = self.heals
         self._quorum(lambda: self.link.begin(self.trainer.state.step) if self.joined else self._join())
@@ -78,6 +77,8 @@ class ReplicaGroup:
         survivors redo it among themselves (`TorchftLink.reform`); a group restarted meanwhile finds
         them finished and stops. Each retry follows a loss, so there are at most as many as groups."""
         averager, step = self.trainer.job.cross_replica.averager, self.trainer.state.step + 1
+        if averager is None:  # synchronous training: a step that did not commit was skipped, as any other
+            return
         for _ in range(self.replicas):
             if averager.uncommitted is None:
                 return
@@ -138,12 +139,18 @@ class ReplicaGroup:
             (self.outputs / FINISHED).write_text(json.dumps({"step": self.trainer.state.step}))
 
     def gradients_committed(self) -> bool:
-        """A warmup step's gradient exchange succeeded with enough replica groups (else the step is skipped)."""
-        return not self.trainer.job.cross_replica.averager.synchronous or self.link.commit()
+        """A synchronous step's gradient exchange (averager=none, or a warmup step) succeeded with enough
+        replica groups; else the step is skipped, counted in ft/skipped_steps."""
+        if not self.trainer.job.cross_replica.synchronous:
+            return True
+        committed = self.link.commit()
+        self.skipped_steps += not committed
+        return committed
 
     def step_metrics(self) -> dict:
         """This step's ft/* figures (the quorum's, if one opened), then reset."""
-        row, self.row = {**self.row, metrics.FT_REPLICAS: self.replicas or 0, metrics.FT_HEALS: self.heals}, {}
+        row = {**self.row, metrics.FT_REPLICAS: self.replicas or 0, metrics.FT_HEALS: self.heals}
+        row[metrics.FT_SKIPPED_STEPS], self.row = self.skipped_steps, {}
         return row
 
     def _heal_state(self) -> dict:
