@@ -341,6 +341,7 @@ def report_replica_groups(run_dir: Path, out: Path) -> list[Path]:
         {
             **summarize(run),
             "heals": run.last(metrics.FT_HEALS),
+            "skipped steps": run.last(metrics.FT_SKIPPED_STEPS),
             "fewest groups in a quorum": min(run.series(metrics.FT_REPLICAS)[1], default=None),
         }
         for run in runs

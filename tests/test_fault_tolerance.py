@@ -294,6 +294,29 @@ def test_two_torchrun_groups_share_a_lighthouse_and_a_whole_job_restart_resumes(
 
 # the exchange applied at step 21, the last, is opened by the quorum of step 21 (periodic) or, a step
 # of sync_delay earlier, of step 20 (Streaming DiLoCo): the group that dies there is in it
+def run_three_groups_one_dying(args: list[str], env: dict, dying: dict, min_replicas: int, tmp_path: Path) -> None:
+    """Three torchrun groups on a lighthouse of `min_replicas`; group 2 runs tests/probes/dies_in_exchange.py
+    with `dying` in its environment and one restart. Every group must exit 0."""
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(
+        bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=10000, heartbeat_timeout_ms=500
+    )
+    probe = Path(__file__).parent / "probes" / "dies_in_exchange.py"
+    groups = []
+    try:
+        groups += [start_torchrun_group(g, 3, lighthouse.address(), args, env, tmp_path, restarts=0) for g in (0, 1)]
+        groups.append(start_torchrun_group(2, 3, lighthouse.address(), args, {**env, **dying}, tmp_path, probe, 1))
+        results = [(group, *group.communicate(timeout=400)) for group in groups]
+    finally:
+        for group in groups:
+            if group.poll() is None:
+                group.kill()
+        lighthouse.shutdown()
+    for group, stdout, stderr in results:
+        check_ok(subprocess.CompletedProcess(group.args, group.returncode, stdout, stderr))
+
+
 LAST_EXCHANGE_OPENS = {"periodic": 21, "streaming_diloco": 20}
 
 
@@ -304,29 +327,13 @@ def test_a_group_lost_in_the_last_exchange_leaves_the_survivors_one_averaged_mod
     no later sync can take in: the two survivors redo it among themselves (a quorum of the last
     one's members) and end with one model, bit for bit, in their final checkpoints, not each its own;
     group 2's restart finds the run finished and stops (exit 0)."""
-    from torchft.coordination import LighthouseServer
-
     run_dir = tmp_path / "run"
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=10000, heartbeat_timeout_ms=500)
     args = [a for a in FT if not a.startswith(("launcher.", "train.steps"))] + AVERAGERS[averager]
     args += ["train.steps=21", f"hydra.run.dir={run_dir}"]
     if averager == "periodic":
         args += ["checkpoint=sharded", "checkpoint.interval=100"]
     env = base_env(tmp_path)
-    victim_env = {**env, "HARNESS_TEST_DIE_AT_STEP": str(LAST_EXCHANGE_OPENS[averager])}
-    probe = Path(__file__).parent / "probes" / "dies_in_exchange.py"
-    groups = []
-    try:
-        groups += [start_torchrun_group(g, 3, lighthouse.address(), args, env, tmp_path, restarts=0) for g in (0, 1)]
-        groups.append(start_torchrun_group(2, 3, lighthouse.address(), args, victim_env, tmp_path, probe, 1))
-        results = [(group, *group.communicate(timeout=400)) for group in groups]
-    finally:
-        for group in groups:
-            if group.poll() is None:
-                group.kill()
-        lighthouse.shutdown()
-    for group, stdout, stderr in results:
-        check_ok(subprocess.CompletedProcess(group.args, group.returncode, stdout, stderr))
+    run_three_groups_one_dying(args, env, {"HARNESS_TEST_DIE_AT_STEP": str(LAST_EXCHANGE_OPENS[averager])}, 1, tmp_path)
     restarted = (run_dir / "logs" / "rank2.log").read_text()  # back once its peers finished: it trains nothing
     assert "already complete at step 21" in restarted or "replica group 2 restarted after replica group" in restarted
     assert "step 21/21" not in restarted
@@ -360,27 +367,12 @@ def test_synchronous_groups_agree_bit_for_bit_after_a_kill_inside_the_gradient_a
     11's quorum the restarted group 2, and a survivor that did not commit step 10 while the other did,
     are healed from a live peer, bit for bit (by digest); all three end on one model and optimizer state,
     bit for bit."""
-    from torchft.coordination import LighthouseServer
-
     run_dir = tmp_path / "run"
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=3, join_timeout_ms=10000, heartbeat_timeout_ms=500)
     args = [a for a in FT if not a.startswith(("launcher.", "train.steps"))] + AVERAGERS["synchronous"]
     args += ["train.steps=20", f"hydra.run.dir={run_dir}"]
     env = {**base_env(tmp_path), "HARNESS_HEAL_DIGEST": "1"}
-    victim_env = {**env, "HARNESS_TEST_DIE_AT_STEP": "10", "HARNESS_TEST_DIE_IN": "all_reduce"}
-    probe = Path(__file__).parent / "probes" / "dies_in_exchange.py"
-    groups = []
-    try:
-        groups += [start_torchrun_group(g, 3, lighthouse.address(), args, env, tmp_path, restarts=0) for g in (0, 1)]
-        groups.append(start_torchrun_group(2, 3, lighthouse.address(), args, victim_env, tmp_path, probe, 1))
-        results = [(group, *group.communicate(timeout=400)) for group in groups]
-    finally:
-        for group in groups:
-            if group.poll() is None:
-                group.kill()
-        lighthouse.shutdown()
-    for group, stdout, stderr in results:
-        check_ok(subprocess.CompletedProcess(group.args, group.returncode, stdout, stderr))
+    dying = {"HARNESS_TEST_DIE_AT_STEP": "10", "HARNESS_TEST_DIE_IN": "all_reduce"}
+    run_three_groups_one_dying(args, env, dying, 3, tmp_path)
     rows = [read_metrics(run_dir / f"replica_group_{group}") for group in range(3)]
     for survivor in rows[:2]:
         assert [row["step"] for row in survivor] == list(range(1, 21)), "a survivor skipped or redid a row"
@@ -402,19 +394,31 @@ def test_synchronous_groups_agree_bit_for_bit_after_a_kill_inside_the_gradient_a
 
 
 @pytest.mark.slow
-def test_synchronous_groups_train_what_one_world_and_torchft_ddp_train(tmp_path):
+@pytest.mark.parametrize("layout", ["no_shard", "hybrid_shard"])
+def test_synchronous_groups_train_what_one_world_and_torchft_ddp_train(tmp_path, layout):
     """Without failures, two synchronous replica groups (`fault_tolerance=torchft averager=none`) end
-    on the parameters, bit for bit, of the same layout in one world without fault tolerance, and of
-    torchft's own DistributedDataParallel and OptimizerWrapper over real Managers and a lighthouse
-    (tests/probes/torchft_ddp.py) given the same model, batches and optimizer."""
+    on the parameters, bit for bit, of the same layout in one world without fault tolerance: a rank per
+    group (no_shard), or FSDP2 over 2 ranks in each group against native HSDP (hybrid_shard, 2 x 2); and
+    of torchft's own DistributedDataParallel and OptimizerWrapper over real Managers and a lighthouse
+    (tests/probes/torchft_ddp.py) given the same model, batches and optimizer (no_shard: its layout)."""
     import torch
     from torchft.coordination import LighthouseServer
 
     common = [a for a in FT if not a.startswith(("fault_tolerance", "train.steps"))] + AVERAGERS["synchronous"]
     common += ["train.steps=10", "train.grad_clip=0"]
+    if layout == "hybrid_shard":
+        common = [a for a in common if not a.startswith(("sharding=", "launcher.nproc"))]
+        common += ["sharding=hybrid_shard", "sharding.replicate=2", "launcher.nproc=4"]
     env = base_env(tmp_path)
     check_ok(run_train(["fault_tolerance=torchft", *common], tmp_path / "ft", env, tmp_path))
     check_ok(run_train(common, tmp_path / "one_world", env, tmp_path))
+    one_world = torch_load(tmp_path / "one_world" / "checkpoints" / "step_10" / "full.pt")
+    ours = [torch_load(tmp_path / "ft" / f"replica_group_{r}" / "checkpoints" / "step_10" / "full.pt") for r in (0, 1)]
+    for group in ours:
+        assert group.keys() == one_world.keys()
+        assert all(torch.equal(value, one_world[name]) for name, value in group.items()), "not one world's"
+    if layout == "hybrid_shard":
+        return
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=200, heartbeat_timeout_ms=500)
     probe = Path(__file__).parent / "probes" / "torchft_ddp.py"
     try:
@@ -435,14 +439,10 @@ def test_synchronous_groups_train_what_one_world_and_torchft_ddp_train(tmp_path)
             check_ok(subprocess.CompletedProcess(replica.args, replica.returncode, stdout, stderr))
     finally:
         lighthouse.shutdown()
-    one_world = torch_load(tmp_path / "one_world" / "checkpoints" / "step_10" / "full.pt")
-    for r in (0, 1):
-        ours = torch_load(tmp_path / "ft" / f"replica_group_{r}" / "checkpoints" / "step_10" / "full.pt")
+    for r, group in enumerate(ours):
         theirs = torch.load(tmp_path / f"torchft_{r}.pt", weights_only=True)["params"]
-        assert ours.keys() == one_world.keys() == theirs.keys()
-        for name, value in ours.items():
-            assert torch.equal(value, one_world[name]), (r, name, "one world")
-            assert torch.equal(value, theirs[name]), (r, name, "torchft")
+        assert group.keys() == theirs.keys()
+        assert all(torch.equal(value, theirs[name]) for name, value in group.items()), "not torchft's"
 
 
 @pytest.mark.slow
