@@ -126,6 +126,7 @@ class GradientReduction:
         self.hook = None
         self.requires_sync = True
         self.bucket: list[torch.Tensor] = []  # gradients waiting for their bucket to fill
+        self.bucket_filled = 0  # their bytes in reduce_dtype
         self.flush_queued = False
         for p in model.parameters():
             if p.requires_grad:
@@ -157,7 +158,8 @@ class GradientReduction:
             torch.autograd.Variable._execution_engine.queue_callback(self._flush)
             self.flush_queued = True
         self.bucket.append(grad)
-        if sum(g.numel() for g in self.bucket) * self.reduce_dtype.itemsize >= self.bucket_bytes:
+        self.bucket_filled += grad.numel() * self.reduce_dtype.itemsize
+        if self.bucket_filled >= self.bucket_bytes:
             self._reduce_bucket()
 
     @torch.no_grad()
@@ -168,7 +170,7 @@ class GradientReduction:
     def _reduce_bucket(self) -> None:
         if not self.bucket:
             return
-        grads, self.bucket = self.bucket, []
+        grads, self.bucket, self.bucket_filled = self.bucket, [], 0
         flat = torch.cat([g.reshape(-1).to(self.reduce_dtype) for g in grads])
         self.hook(flat)
         for grad, reduced in zip(grads, flat.split([g.numel() for g in grads])):

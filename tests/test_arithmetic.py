@@ -11,6 +11,7 @@ Values come from a world of 1 on gloo.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 
@@ -521,3 +522,30 @@ def test_llama_flops_per_token_are_torchtitans_count(tie):
     shape = {k: model.hf_config()[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers")}
     shape.update(num_attention_heads=heads, num_key_value_heads=kv_heads, tie_word_embeddings=tie)
     assert HFCausalLM(vocab, config_overrides=shape).flops_per_token(seq_len) == expected
+
+
+@pytest.mark.parametrize("bucket_bytes,calls", [(0, {6}), (600, {2, 3, 4, 5}), (2**20, {1})])
+def test_a_one_device_replicas_gradients_reach_the_hook_once_in_buckets(bucket_bytes, calls):
+    """GradientReduction hands every gradient to the cross-replica hook once, in reduce_dtype, and
+    takes the hook's result back: one parameter at a time (0), or in flat buckets of about
+    `bucket_bytes` as backward produces them, the last when backward ends."""
+    from harness.sharding import GradientReduction
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))  # 6 tensors
+    reference = copy.deepcopy(model)
+    inputs = torch.randn(5, 8)
+    reference(inputs).square().sum().backward()
+    seen = []
+
+    def hook(reduced: torch.Tensor) -> None:
+        assert reduced.dtype == torch.float64
+        seen.append(reduced.numel())
+        reduced.mul_(-2)
+
+    reduction = GradientReduction(model, torch.float64, bucket_bytes)
+    reduction.set_all_reduce_hook(hook)
+    model(inputs).square().sum().backward()
+    assert len(seen) in calls and sum(seen) == sum(p.numel() for p in model.parameters())
+    for mine, theirs in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(mine.grad, -2 * theirs.grad)
