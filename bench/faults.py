@@ -170,19 +170,17 @@ def attempts(log: Path) -> tuple[list[list[int]], int]:
     the same log, and starts with its "world N, mesh ..." line), less the synchronous steps it
     skipped (their gradient exchange did not commit); and how many it skipped."""
     runs: list[list[int]] = []
-    skipped = 0
+    skipped: list[set[int]] = []
     for line in log.read_text().splitlines() if log.exists() else []:
         if "] - world " in line:
             runs.append([])
+            skipped.append(set())
         elif (step := re.search(r"\] - step (\d+)/\d+ \|", line)) and runs:
             runs[-1].append(int(step.group(1)))
         elif (step := re.search(r"\] - step (\d+): the gradient exchange .* step skipped", line)) and runs:
-            runs[-1].append(-int(step.group(1)))  # its progress line follows: not kept
-    for steps in runs:
-        dropped = {-s for s in steps if s < 0}
-        skipped += len(dropped)
-        steps[:] = [s for s in steps if s > 0 and s not in dropped]
-    return runs, skipped
+            skipped[-1].add(int(step.group(1)))  # its progress line follows: not kept
+    kept = [[s for s in steps if s not in dropped] for steps, dropped in zip(runs, skipped)]
+    return kept, sum(len(dropped) for dropped in skipped)
 
 
 def kept_steps(runs: list[list[int]], period: int | None) -> tuple[set[int], int]:

@@ -21,6 +21,8 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from harness.fault_tolerance.outputs import FINISHED_WITHOUT_GROUPS
+
 RESULT_FILE = "result.json"
 
 
@@ -60,8 +62,8 @@ def write_result(run_dir: Path, hydra_cfg: Any, name: str, exit_code: int, reaso
         "job": int(hydra_cfg.job.num),
         "name": name,
         "overrides": list(hydra_cfg.overrides.task),
-        # exit status 3: a fault-tolerant job whose model is complete although a replica group was lost for good
-        "status": "completed" if exit_code in (0, 3) else "failed",
+        # a fault-tolerant job whose model is complete although a replica group was lost for good: completed
+        "status": "completed" if exit_code in (0, FINISHED_WITHOUT_GROUPS) else "failed",
         "exit_code": exit_code,
         "reason": reason,
     }

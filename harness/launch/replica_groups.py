@@ -23,17 +23,12 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from harness.fault_tolerance import LIGHTHOUSE_ENV, NUM_REPLICA_GROUPS, REPLICA_GROUP_ID, join_timeout_s, quiet_torchft
-from harness.fault_tolerance.outputs import finished_step
+from harness.fault_tolerance.outputs import FINISHED_WITHOUT_GROUPS, finished_step
 from harness.launch.check import start_method
 from harness.launch.ranks import failure_summary, rank_entrypoint, run_local_ranks
 from harness.plan import RunPlan
 
 log = logging.getLogger("harness")
-
-
-# `python train.py`'s exit status when training finished without one or more replica groups: the run's
-# model is complete (the surviving groups trained every step), which a scheduler can tell from a failure (1)
-FINISHED_WITHOUT_GROUPS = 3
 
 
 def start_replica_groups(cfg: DictConfig, run_dir: Path, plan: RunPlan) -> tuple[int, str | None]:
