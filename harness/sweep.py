@@ -21,7 +21,9 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from harness.fault_tolerance.outputs import FINISHED_WITHOUT_GROUPS
+# `python train.py`'s exit status when training finished without one or more replica groups: the run's
+# model is complete (the surviving groups trained every step), which a scheduler can tell from a failure (1)
+FINISHED_WITHOUT_GROUPS = 3
 
 RESULT_FILE = "result.json"
 

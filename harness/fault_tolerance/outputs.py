@@ -10,10 +10,6 @@ from omegaconf import DictConfig
 
 from harness.checkpoint_paths import GROUP_DIR, group_checkpoint_config, group_dir, group_resume_path
 
-# `python train.py`'s exit status when training finished without one or more replica groups: the run's
-# model is complete (the surviving groups trained every step), which a scheduler can tell from a failure (1)
-FINISHED_WITHOUT_GROUPS = 3
-
 # in a replica group's outputs once it has trained every step: a peer restarted after that finds no one
 # to heal from (the lighthouse cannot tell finished groups from dead ones), so it stops instead of
 # waiting quorum_timeout_s and training on alone

@@ -23,10 +23,11 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from harness.fault_tolerance import LIGHTHOUSE_ENV, NUM_REPLICA_GROUPS, REPLICA_GROUP_ID, join_timeout_s, quiet_torchft
-from harness.fault_tolerance.outputs import FINISHED_WITHOUT_GROUPS, finished_step
+from harness.fault_tolerance.outputs import finished_step
 from harness.launch.check import start_method
 from harness.launch.ranks import failure_summary, rank_entrypoint, run_local_ranks
 from harness.plan import RunPlan
+from harness.sweep import FINISHED_WITHOUT_GROUPS
 
 log = logging.getLogger("harness")
 
