@@ -422,7 +422,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.smoke:
-        args.groups, args.steps, args.period, args.every, args.failures, args.seeds = "2", 200, 4, 1.0, 1, [0]
+        args.groups, args.steps, args.period, args.every, args.failures, args.seeds = "2", 80, 4, 1.0, 1, [0]
     random.seed(args.seed)
     with tempfile.TemporaryDirectory(prefix="bench-faults-") as scratch:
         work = Path(args.keep or scratch)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from urllib.parse import urlparse
 
 from omegaconf import DictConfig
@@ -129,6 +130,17 @@ def quiet_torchft() -> None:
         logger.setLevel(logging.ERROR)
         if not any(isinstance(f, _FirstLine) for f in logger.filters):
             logger.addFilter(_FirstLine())
+    from torchft.http import _IPv6HTTPServer
+
+    # the heal's checkpoint server is a socketserver, which prints the traceback of a request that failed
+    # (its asker gave up and hung up: BrokenPipeError) to stderr from its thread; torchft has logged the cause
+    _IPv6HTTPServer.handle_error = _log_failed_request
+
+
+def _log_failed_request(server: object, request: object, client_address: tuple) -> None:
+    logging.getLogger("torchft.checkpointing").error(
+        "a heal request from %s failed: %r", client_address[0], sys.exc_info()[1]
+    )
 
 
 class _FirstLine(logging.Filter):

@@ -56,20 +56,34 @@ class ReplicaGroup:
         """Open a quorum if the coming step crosses replicas (or is this group's first):
         a heal here replaces every part of the job, the trainer's step included."""
         if self.link.failed_in_a_row >= self.ft.max_failed_exchanges:
-            raise ExchangesFailed(
-                f"fault_tolerance: the last {self.link.failed_in_a_row} exchanges across replica groups did not "
-                f"commit (replica group {self.replica_id}, step {self.trainer.state.step}), each given "
-                f"fault_tolerance.timeout_s={self.ft.timeout_s} s, so the run trains nothing across replicas. Fix: "
-                "raise fault_tolerance.timeout_s if the collectives need longer; the groups' logs name the failing "
-                "collective; fault_tolerance.max_failed_exchanges allows more in a row."
-            )
+            raise self._exchanges_failed()
         if self.joined and not self.trainer.job.cross_replica.crosses_replicas():
             return
         heals = self.heals
-        self._quorum(lambda: self.link.begin(self.trainer.state.step) if self.joined else self._join())
-        self.joined = True
+        if not self.joined:
+            self._quorum(self._join)
+            self.joined = True
+        else:
+            try:
+                self._quorum(lambda: self.link.begin(self.trainer.state.step))
+            except (TimeoutError, RuntimeError) as e:
+                # torchft's Manager does not recover from a failed quorum (the rank fails and its group restarts);
+                # a failed quorum is one more exchange that did not commit, so the bound holds here too
+                self.link.failed_in_a_row += 1
+                if self.link.failed_in_a_row >= self.ft.max_failed_exchanges:
+                    raise self._exchanges_failed() from e
+                raise
         if self.heals > heals:
             self.row[metrics.FT_HEAL_TIME] = self.row[metrics.FT_QUORUM_TIME]
+
+    def _exchanges_failed(self) -> ExchangesFailed:
+        return ExchangesFailed(
+            f"fault_tolerance: the last {self.link.failed_in_a_row} exchanges across replica groups did not "
+            f"commit (replica group {self.replica_id}, step {self.trainer.state.step}), each given "
+            f"fault_tolerance.timeout_s={self.ft.timeout_s} s, so the run trains nothing across replicas. Fix: "
+            "raise fault_tolerance.timeout_s if the collectives need longer; the groups' logs name the failing "
+            "collective; fault_tolerance.max_failed_exchanges allows more in a row."
+        )
 
     def complete_the_last_exchange(self) -> None:
         """At the run's last step, redo its exchange if it did not commit (a group was lost in it): no

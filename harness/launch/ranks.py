@@ -138,6 +138,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+CANNOT_RUN = 2  # a rank's exit status, and its replica group supervisor's, for a setting to fix
+
+
 def rank_entrypoint(cfg: DictConfig, run_dir: Path, plan: RunPlan) -> None:
     """A locally started rank's process (in an importable module, for the launcher); it leaves like train.py."""
     setup_logging(run_dir, plan.rank_in_mesh(int(os.environ["RANK"])))
@@ -149,10 +152,10 @@ def train_or_exit(cfg: DictConfig, run_dir: Path, plan: RunPlan) -> None:
     """`run_rank`, with the failures a user can act on reported as one message and exit 1."""
     try:
         run_rank(cfg, run_dir, plan)
-    except (LighthouseUnreachable, ExchangesFailed) as e:  # exit 2: a setting to fix, no restart of the group mends
+    except (LighthouseUnreachable, ExchangesFailed) as e:  # a setting to fix, no restart of the group mends
         log.error("%s", e)
         record_failure(str(e))
-        sys.exit(2)
+        sys.exit(CANNOT_RUN)
     except (CheckpointError, NonFiniteLossError) as e:
         # with its cause's traceback when it wraps one (a failed save or load), so a bug is not taken for a full disk
         log.error("%s", e, exc_info=e.__cause__ is not None)

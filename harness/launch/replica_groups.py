@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from harness.fault_tolerance import LIGHTHOUSE_ENV, NUM_REPLICA_GROUPS, REPLICA_GROUP_ID, join_timeout_s, quiet_torchft
 from harness.fault_tolerance.outputs import finished_step
 from harness.launch.check import start_method
-from harness.launch.ranks import failure_summary, rank_entrypoint, run_local_ranks
+from harness.launch.ranks import CANNOT_RUN, failure_summary, rank_entrypoint, run_local_ranks
 from harness.plan import RunPlan
 from harness.sweep import FINISHED_WITHOUT_GROUPS
 
@@ -35,9 +35,11 @@ log = logging.getLogger("harness")
 def start_replica_groups(cfg: DictConfig, run_dir: Path, plan: RunPlan) -> tuple[int, str | None]:
     """Run the plan's replica groups against one lighthouse and wait for them all;
     the exit status and what went wrong in one line (None when nothing did). A group
-    lost for good (it exhausted its restarts, cannot run, or its supervisor died) fails
-    the run, unless a group trained every step: then the run's model is complete and the
-    status is FINISHED_WITHOUT_GROUPS (docs/failures.md).
+    lost for good (it exhausted its restarts or its supervisor died) fails the run, unless
+    a group trained every step: then the run's model is complete and the status is
+    FINISHED_WITHOUT_GROUPS (docs/failures.md). A group that cannot run (a setting to fix)
+    fails the run whatever the others did: a group left alone commits every exchange, so
+    its finishing says nothing of the setting.
 
     Each group's supervisor is a fresh process started with the group's environment,
     so the ranks it forks carry it from their start, visible in /proc/<pid>/environ
@@ -89,7 +91,7 @@ def start_replica_groups(cfg: DictConfig, run_dir: Path, plan: RunPlan) -> tuple
     lost = [r for r, code in enumerate(codes) if code]
     summary = "; ".join(f"replica group {r} {lost_because(codes[r], ft)}" for r in lost)
     finished = [r for r in range(plan.replicate) if (finished_step(run_dir, r) or 0) >= cfg.train.steps]
-    if finished:
+    if finished and CANNOT_RUN not in codes:
         log.warning(
             "training finished without replica group(s) %s: %s. The run's model is complete: replica group(s) %s "
             "trained all %d steps (their checkpoints and metrics are in %s/replica_group_<r>/); exit status %d",
@@ -112,7 +114,7 @@ def lost_because(code: int, ft: DictConfig) -> str:
             f"was lost: its supervisor died of {signal.Signals(-code).name}, so it could not be restarted (the "
             "supervisor is what restarts a group)"
         )
-    if code == 2:
+    if code == CANNOT_RUN:
         return "cannot run (its reason is above)"
     return f"exhausted fault_tolerance.max_restarts={ft.max_restarts}"
 
@@ -130,9 +132,9 @@ def supervise(cfg: DictConfig, run_dir: Path, plan: RunPlan) -> int:
         if not failures:
             return 0
         why = failure_summary(failures)
-        if all(f.exitcode == 2 for f in failures.values()):  # a setting to fix (the lighthouse): no restart mends it
+        if all(f.exitcode == CANNOT_RUN for f in failures.values()):  # a setting to fix: no restart mends it
             print(f"harness: replica group {replica} cannot run: {why}", file=sys.stderr, flush=True)
-            return 2
+            return CANNOT_RUN
         more = (
             f"restarting it ({attempt + 1} of {restarts}); the other groups train on"
             if attempt < restarts
