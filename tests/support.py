@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "train.py"
+LOCAL_RANKS = REPO / "tests" / "probes" / "local_ranks.py"
 # Small and fast, but the real code path: tiny MLP LM, few steps, no W&B unless a test asks.
 # Checkpoint tests: the tiny MLP LM, logging every step.
 SMALL = ["model=mlp", "train.batch_size=4", "train.seq_len=16", "train.log_every=1"]
@@ -140,10 +141,14 @@ def run_cli(
     script: Path = TRAIN,
     timeout: int = 240,
     fresh: bool = False,
+    ranks: int | None = None,
 ) -> subprocess.CompletedProcess:
-    """`python script args` (or under `torchrun`) in `cwd` with `env`. Without torchrun the
+    """`python script args` (or under `torchrun`, or as `ranks` ranks of the harness's own
+    launcher: tests/probes/local_ranks.py) in `cwd` with `env`. Without torchrun the
     command is forked from the zygote above unless `fresh` (a test of the interpreter's own
     start, e.g. an import that fails) or its environment needs a fresh interpreter."""
+    if ranks:
+        args, script = [str(ranks), str(script), *args], LOCAL_RANKS
     if torchrun_nproc:
         cmd = [
             sys.executable,

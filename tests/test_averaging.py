@@ -21,7 +21,7 @@ SMALL = ["model=mlp", "train.batch_size=4", "train.seq_len=16", "optimizer=sgd"]
 
 def probe(tmp_path, cli_env, nproc: int, *overrides: str) -> list[dict]:
     out = tmp_path / "probe.json"
-    check_ok(run_cli([str(out), *SMALL, *overrides], cli_env, tmp_path, torchrun_nproc=nproc, script=PROBE))
+    check_ok(run_cli([str(out), *SMALL, *overrides], cli_env, tmp_path, ranks=nproc, script=PROBE))
     return json.loads(out.read_text())
 
 

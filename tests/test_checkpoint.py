@@ -148,7 +148,7 @@ assert set(ckpt["optim"]["state"]) == set(ckpt["model"]), "optimizer state is ke
 
 
 def probe(ckpt: Path, out: Path, nproc: int, env: dict, *overrides: str) -> dict:
-    proc = run_cli([str(ckpt), str(out), *SMALL, *overrides], env, REPO, torchrun_nproc=nproc, script=PROBE)
+    proc = run_cli([str(ckpt), str(out), *SMALL, *overrides], env, REPO, ranks=nproc, script=PROBE)
     check_ok(proc)
     return torch.load(out, weights_only=True)
 

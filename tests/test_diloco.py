@@ -86,7 +86,7 @@ def test_diloco_ends_where_torchft_diloco_ends(tmp_path, cli_env):
     rows = train(tmp_path / "harness", cli_env, *common, "checkpoint=full")
     assert sorted(syncs(rows)) == [4, 8, 12]
     probe = REPO / "tests" / "probes" / "torchft_diloco.py"
-    check_ok(run_cli([str(tmp_path / "torchft.pt"), *common], cli_env, REPO, torchrun_nproc=2, script=probe))
+    check_ok(run_cli([str(tmp_path / "torchft.pt"), *common], cli_env, REPO, ranks=2, script=probe))
     theirs = torch.load(tmp_path / "torchft.pt", weights_only=True)
     step = tmp_path / "harness" / "checkpoints" / "step_12"
     for replica, file in enumerate(("full.pt", "replica_1.pt")):

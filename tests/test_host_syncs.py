@@ -39,7 +39,7 @@ LAYOUTS = {
 def test_a_step_that_does_not_log_reads_nothing_back_from_the_device(layout, tmp_path, cli_env):
     nproc, overrides, waiting = LAYOUTS[layout]
     out = tmp_path / "counts.json"
-    check_ok(run_cli([str(out), *COMMON, *overrides], cli_env, tmp_path, torchrun_nproc=nproc, script=PROBE))
+    check_ok(run_cli([str(out), *COMMON, *overrides], cli_env, tmp_path, ranks=nproc, script=PROBE))
     counts = json.loads(out.read_text())
     assert counts["steps"] == [2, 3, 4, 5]
     for rank, per_step in enumerate(counts["ranks"]):
