@@ -18,9 +18,11 @@ import pickle
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from harness.fault_tolerance import LIGHTHOUSE_ENV, NUM_REPLICA_GROUPS, REPLICA_GROUP_ID, join_timeout_s, quiet_torchft
 from harness.fault_tolerance.outputs import finished_step
@@ -78,7 +80,7 @@ def start_replica_groups(cfg: DictConfig, run_dir: Path, plan: RunPlan) -> tuple
             supervisor.stdin.write(pickle.dumps((cfg, run_dir, dataclasses.replace(plan, replica_id=replica))))
             supervisor.stdin.close()
             supervisors.append(supervisor)
-        codes = [supervisor.wait() for supervisor in supervisors]
+        codes, stopped = wait_for_groups(supervisors)
     finally:
         for supervisor in supervisors:  # Ctrl-C or a failed start: no group outlives the job
             if supervisor.poll() is None:
@@ -89,7 +91,10 @@ def start_replica_groups(cfg: DictConfig, run_dir: Path, plan: RunPlan) -> tuple
     if not any(codes):
         return 0, None
     lost = [r for r, code in enumerate(codes) if code]
-    summary = "; ".join(f"replica group {r} {lost_because(codes[r], ft)}" for r in lost)
+    summary = "; ".join(
+        f"replica group {r} {'was stopped: the run cannot succeed' if r in stopped else lost_because(codes[r], ft)}"
+        for r in lost
+    )
     finished = [r for r in range(plan.replicate) if (finished_step(run_dir, r) or 0) >= cfg.train.steps]
     if finished and CANNOT_RUN not in codes:
         log.warning(
@@ -105,6 +110,20 @@ def start_replica_groups(cfg: DictConfig, run_dir: Path, plan: RunPlan) -> tuple
         return FINISHED_WITHOUT_GROUPS, summary
     log.error("training failed: %s; see %s/train.log and %s/logs/", summary, run_dir, run_dir)
     return 1, summary
+
+
+def wait_for_groups(supervisors: list[subprocess.Popen]) -> tuple[list[int], set[int]]:
+    """Wait for every group's supervisor: their exit statuses, and the groups stopped here. Once a group
+    cannot run (a setting to fix), the run fails whatever the others do, so they are stopped at once
+    rather than left to train for nothing (or, restarted, to wait `quorum_timeout_s` for that group)."""
+    while (codes := [supervisor.poll() for supervisor in supervisors]).count(None):
+        if CANNOT_RUN in codes:
+            stopped = {r for r, code in enumerate(codes) if code is None}
+            for r in stopped:
+                supervisors[r].terminate()
+            return [supervisor.wait() for supervisor in supervisors], stopped
+        time.sleep(0.1)
+    return codes, set()
 
 
 def lost_because(code: int, ft: DictConfig) -> str:
@@ -145,4 +164,7 @@ def supervise(cfg: DictConfig, run_dir: Path, plan: RunPlan) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(supervise(*pickle.loads(sys.stdin.buffer.read())))
+    try:
+        sys.exit(supervise(*pickle.loads(sys.stdin.buffer.read())))
+    except SignalException as e:  # stopped by the launcher (or Ctrl-C): its ranks are stopped too, quietly
+        sys.exit(128 + e.sigval)
