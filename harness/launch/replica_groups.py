@@ -91,10 +91,8 @@ def start_replica_groups(cfg: DictConfig, run_dir: Path, plan: RunPlan) -> tuple
     if not any(codes):
         return 0, None
     lost = [r for r, code in enumerate(codes) if code]
-    summary = "; ".join(
-        f"replica group {r} {'was stopped: the run cannot succeed' if r in stopped else lost_because(codes[r], ft)}"
-        for r in lost
-    )
+    why = {r: "was stopped: the run cannot succeed" if r in stopped else lost_because(codes[r], ft) for r in lost}
+    summary = "; ".join(f"replica group {r} {why[r]}" for r in lost)
     finished = [r for r in range(plan.replicate) if (finished_step(run_dir, r) or 0) >= cfg.train.steps]
     if finished and CANNOT_RUN not in codes:
         log.warning(
@@ -116,7 +114,7 @@ def wait_for_groups(supervisors: list[subprocess.Popen]) -> tuple[list[int], set
     """Wait for every group's supervisor: their exit statuses, and the groups stopped here. Once a group
     cannot run (a setting to fix), the run fails whatever the others do, so they are stopped at once
     rather than left to train for nothing (or, restarted, to wait `quorum_timeout_s` for that group)."""
-    while (codes := [supervisor.poll() for supervisor in supervisors]).count(None):
+    while None in (codes := [supervisor.poll() for supervisor in supervisors]):
         if CANNOT_RUN in codes:
             stopped = {r for r, code in enumerate(codes) if code is None}
             for r in stopped:
