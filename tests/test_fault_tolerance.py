@@ -446,16 +446,46 @@ def test_synchronous_groups_train_what_one_world_and_torchft_ddp_train(tmp_path,
 
 
 @pytest.mark.slow
-def test_a_run_whose_exchanges_never_commit_fails_naming_the_timeout(tmp_path):
-    """fault_tolerance.timeout_s=0.001: no exchange across the groups commits, so after
-    fault_tolerance.max_failed_exchanges of them in a row each group stops with one paragraph
-    naming timeout_s, is not restarted, and the run fails; it used to skip every step and exit 0."""
+@pytest.mark.parametrize("failing", ["collectives", "lighthouse"])
+def test_a_run_whose_exchanges_never_commit_fails_naming_the_timeout(tmp_path, failing):
+    """No exchange across the groups commits: with fault_tolerance.timeout_s=0.001 the collectives
+    (and at times the quorum) fail; a lighthouse killed mid-run gives no quorum, which each group asks
+    again. After fault_tolerance.max_failed_exchanges failures in a row each group stops with one
+    paragraph naming the timeout, is not restarted, and the run fails; it used to skip every step
+    and exit 0 (or restart the group whose quorum failed)."""
     args = [a for a in FT if not a.startswith(("fault_tolerance.timeout_s", "train.steps"))]
-    args += ["train.steps=40", "fault_tolerance.timeout_s=0.001", "fault_tolerance.max_failed_exchanges=3"]
-    proc = run_train(args, tmp_path / "run", base_env(tmp_path), tmp_path)
+    args += ["fault_tolerance.max_failed_exchanges=3"]
+    if failing == "collectives":
+        args += ["train.steps=40", "fault_tolerance.timeout_s=0.001"]
+        proc = run_train(args, tmp_path / "run", base_env(tmp_path), tmp_path)
+        named = "fault_tolerance.timeout_s=0.001 s"
+    else:
+        serve = (  # in a process of its own, to be SIGKILLed as when its machine dies
+            "import time; from torchft.coordination import LighthouseServer; "
+            "lighthouse = LighthouseServer(bind='[::]:0', min_replicas=1, heartbeat_timeout_ms=500); "
+            "print(lighthouse.address(), flush=True); time.sleep(600)"
+        )
+        lighthouse = subprocess.Popen(
+            [sys.executable, "-c", serve], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        )
+        args += ["train.steps=100000", "fault_tolerance.quorum_timeout_s=1"]
+        args += [f"fault_tolerance.lighthouse={lighthouse.stdout.readline().strip()}"]
+        out, err = (tmp_path / "stdout").open("w+"), (tmp_path / "stderr").open("w+")  # a pipe could fill and stop it
+        train = subprocess.Popen(
+            [sys.executable, str(TRAIN), *args, f"hydra.run.dir={tmp_path / 'run'}"],
+            env=base_env(tmp_path), cwd=tmp_path, stdout=out, stderr=err, text=True,
+        )  # fmt: skip
+        log, deadline = tmp_path / "run" / "train.log", time.monotonic() + 300
+        while not (log.exists() and "step 10/" in log.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        lighthouse.kill()
+        lighthouse.wait()
+        train.wait(timeout=300)
+        proc = subprocess.CompletedProcess(train.args, train.returncode, *(f.seek(0) or f.read() for f in (out, err)))
+        named = "(the last: no quorum within fault_tolerance.quorum_timeout_s=1.0 s)"
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "the last 3 exchanges across replica groups did not commit" in proc.stderr
-    assert "fault_tolerance.timeout_s=0.001 s" in proc.stderr and "restarting it" not in proc.stderr
+    assert named in proc.stderr and "restarting it" not in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stdout + proc.stderr
 
 

@@ -102,6 +102,10 @@ def refuse_a_closed_lighthouse(lighthouse: str, patience_s: float = 2.0) -> None
     )
 
 
+class QuorumFailed(RuntimeError):
+    """A quorum was asked for and not given; the Manager can be asked again."""
+
+
 PLACE_STRIDE = 2**32  # a Manager step is commits * this + steps: more commits always rank first
 
 
@@ -120,6 +124,7 @@ class TorchftLink:
         from torchft.process_group import ProcessGroupBabyNCCL, ProcessGroupGloo
 
         forget_previous_manager(group_rank)
+        self.quorum_timeout_s = ft.quorum_timeout_s
         timeout = timedelta(seconds=ft.timeout_s)
         self.pg = ProcessGroupBabyNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
         lighthouse = ft.lighthouse or os.environ.get(LIGHTHOUSE_ENV)
@@ -175,13 +180,30 @@ class TorchftLink:
         peer and so are healed; groups at the same place are not."""
         place = self.commits * PLACE_STRIDE + steps_done
         self.manager.load_state_dict({"step": place, "batches_committed": self.manager.batches_committed()})
-        self.manager.start_quorum()
+        self._start_quorum()
 
     def reform(self) -> None:
         """A quorum of the last one's members still alive, without heals (torchft's shrink_only), to redo
         an exchange that did not commit inside its step: a group outside it would need a heal, and a
         heal mid-step would send state that is half this step's."""
-        self.manager.start_quorum(allow_heal=False, shrink_only=True)
+        self._start_quorum(allow_heal=False, shrink_only=True)
+
+    def _start_quorum(self, **options) -> None:
+        """torchft's `start_quorum`; its failure (the lighthouse gave no quorum in time) is QuorumFailed."""
+        try:
+            self.manager.start_quorum(**options)
+        except (TimeoutError, RuntimeError) as e:
+            failed = self.manager._quorum_future
+            if failed is None or not failed.done() or failed.exception() is not e:
+                raise  # not the quorum's request: applying a heal, say
+            # torchft's Manager keeps a failed quorum and raises its error again at the next start_quorum
+            # (torchft's TODO there: recover from a failed quorum), so the quorum could only be asked again
+            # by restarting the group; nothing else changed when the request failed, so forget it here
+            self.manager._quorum_future = None
+            if isinstance(e, TimeoutError):  # torchft's message is gRPC's "Cancelled: Timeout expired"
+                quorum_timeout_s = f"fault_tolerance.quorum_timeout_s={self.quorum_timeout_s} s"
+                raise QuorumFailed(f"no quorum within {quorum_timeout_s}") from e
+            raise QuorumFailed(f"the quorum failed ({type(e).__name__}: {str(e).splitlines()[0]})") from e
 
     def commit(self) -> bool:
         committed = self.manager.should_commit()

@@ -21,7 +21,7 @@ from harness import metrics
 from harness.checkpoint.checkpointer import tensor_state
 from harness.checkpoint.replicas import inner_optimizer
 from harness.dist import local_view
-from harness.fault_tolerance.link import TorchftLink
+from harness.fault_tolerance.link import QuorumFailed, TorchftLink
 from harness.fault_tolerance.outputs import FINISHED, PeersFinished, finished_peer
 from harness.rng import seed_rank
 
@@ -64,24 +64,19 @@ class ReplicaGroup:
             self._quorum(self._join)
             self.joined = True
         else:
-            try:
-                self._quorum(lambda: self.link.begin(self.trainer.state.step))
-            except (TimeoutError, RuntimeError) as e:
-                # torchft's Manager does not recover from a failed quorum (the rank fails and its group restarts);
-                # a failed quorum is one more exchange that did not commit, so the bound holds here too
-                self.link.failed_in_a_row += 1
-                if self.link.failed_in_a_row >= self.ft.max_failed_exchanges:
-                    raise self._exchanges_failed() from e
-                raise
+            self._quorum(lambda: self.link.begin(self.trainer.state.step))
         if self.heals > heals:
             self.row[metrics.FT_HEAL_TIME] = self.row[metrics.FT_QUORUM_TIME]
 
-    def _exchanges_failed(self) -> ExchangesFailed:
+    def _exchanges_failed(self, quorum: QuorumFailed | None = None) -> ExchangesFailed:
+        """`quorum`: the last failure was a quorum's, not an exchange's."""
+        last = f" (the last: {quorum})" if quorum else ""
         return ExchangesFailed(
             f"fault_tolerance: the last {self.link.failed_in_a_row} exchanges across replica groups did not "
-            f"commit (replica group {self.replica_id}, step {self.trainer.state.step}), each given "
-            f"fault_tolerance.timeout_s={self.ft.timeout_s} s, so the run trains nothing across replicas. Fix: "
-            "raise fault_tolerance.timeout_s if the collectives need longer; the groups' logs name the failing "
+            f"commit{last} (replica group {self.replica_id}, step {self.trainer.state.step}), "
+            f"each given fault_tolerance.timeout_s={self.ft.timeout_s} s, so the run trains nothing across "
+            "replicas. Fix: raise fault_tolerance.timeout_s if the collectives need longer (quorum_timeout_s if "
+            "the quorums do, and check that the lighthouse is up); the groups' logs name the failing "
             "collective; fault_tolerance.max_failed_exchanges allows more in a row."
         )
 
@@ -107,9 +102,19 @@ class ReplicaGroup:
             log.warning("step %d: the last exchange did not commit again: each group ends with its own model", step)
 
     def _quorum(self, open_quorum) -> None:
-        """Open a quorum with `open_quorum`; log a change in its size; its time adds to this step's ft/quorum_s."""
+        """Open a quorum with `open_quorum`, asked again while it fails (each failure is one more exchange
+        that did not commit, so `fault_tolerance.max_failed_exchanges` bounds them); log a change in
+        its size; its time adds to this step's ft/quorum_s."""
         start = time.perf_counter()
-        open_quorum()
+        while True:
+            try:
+                open_quorum()
+                break
+            except QuorumFailed as e:
+                self.link.failed_in_a_row += 1
+                if self.link.failed_in_a_row >= self.ft.max_failed_exchanges:
+                    raise self._exchanges_failed(e) from e
+                log.warning("step %d: %s; asking again", self.trainer.state.step + 1, e)
         replicas = self.link.size()
         if self.replicas is not None and replicas != self.replicas:
             change = "joined" if replicas > self.replicas else "left"
