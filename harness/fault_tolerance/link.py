@@ -102,6 +102,10 @@ def refuse_a_closed_lighthouse(lighthouse: str, patience_s: float = 2.0) -> None
     )
 
 
+class ExchangesFailed(RuntimeError):
+    """`fault_tolerance.max_failed_exchanges` exchanges in a row did not commit; the message names the fix."""
+
+
 class QuorumFailed(RuntimeError):
     """A quorum was asked for and not given; the Manager can be asked again."""
 
@@ -119,12 +123,12 @@ class TorchftLink:
     def __init__(self, ft: DictConfig, replica_id: int, group_rank: int, group_world_size: int, device: torch.device):
         self.commits = 0  # exchanges this group committed (the heal state and checkpoints carry it)
         self.failed_in_a_row = 0  # exchanges since the last that committed (fault_tolerance.max_failed_exchanges)
+        self.ft, self.replica_id, self.steps_done = ft, replica_id, 0
         quiet_torchft()
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupBabyNCCL, ProcessGroupGloo
 
         forget_previous_manager(group_rank)
-        self.quorum_timeout_s = ft.quorum_timeout_s
         timeout = timedelta(seconds=ft.timeout_s)
         self.pg = ProcessGroupBabyNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
         lighthouse = ft.lighthouse or os.environ.get(LIGHTHOUSE_ENV)
@@ -178,6 +182,7 @@ class TorchftLink:
         place: its committed exchanges, then its steps. A group that missed a commit, and a
         restarted group (from scratch or from its own older checkpoint), are behind every live
         peer and so are healed; groups at the same place are not."""
+        self.steps_done = steps_done
         place = self.commits * PLACE_STRIDE + steps_done
         self.manager.load_state_dict({"step": place, "batches_committed": self.manager.batches_committed()})
         self._start_quorum()
@@ -201,15 +206,44 @@ class TorchftLink:
             # by restarting the group; nothing else changed when the request failed, so forget it here
             self.manager._quorum_future = None
             if isinstance(e, TimeoutError):  # torchft's message is gRPC's "Cancelled: Timeout expired"
-                quorum_timeout_s = f"fault_tolerance.quorum_timeout_s={self.quorum_timeout_s} s"
+                quorum_timeout_s = f"fault_tolerance.quorum_timeout_s={self.ft.quorum_timeout_s} s"
                 raise QuorumFailed(f"no quorum within {quorum_timeout_s}") from e
             raise QuorumFailed(f"the quorum failed ({type(e).__name__}: {str(e).splitlines()[0]})") from e
 
     def commit(self) -> bool:
-        committed = self.manager.should_commit()
+        try:
+            committed = self.manager.should_commit()
+        except TimeoutError as e:
+            # the group's ranks vote, and this one did not hear the outcome: its peers in the group may have
+            # committed, so it fails and its group restarts, to be healed from a peer (as in torchft)
+            self.exchange_failed(e)
+            raise RuntimeError(
+                f"should_commit did not answer within fault_tolerance.timeout_s={self.ft.timeout_s} s: this rank "
+                "cannot tell whether its replica group committed"
+            ) from e
         self.commits += committed
-        self.failed_in_a_row = 0 if committed else self.failed_in_a_row + 1
+        if committed:
+            self.failed_in_a_row = 0
+        else:
+            self.exchange_failed()
         return committed
+
+    def exchange_failed(self, cause: Exception | None = None) -> None:
+        """One more exchange (or the quorum opening it) did not commit: ExchangesFailed at
+        `fault_tolerance.max_failed_exchanges` in a row; `cause`, if the last was a failed request."""
+        self.failed_in_a_row += 1
+        if self.failed_in_a_row < self.ft.max_failed_exchanges:
+            return
+        last = f" (the last: {cause})" if cause else ""
+        raise ExchangesFailed(
+            f"fault_tolerance: {self.failed_in_a_row} exchange{'s' * (self.failed_in_a_row > 1)} in a row across "
+            "replica groups did not commit"
+            f"{last} (replica group {self.replica_id}, step {self.steps_done}), each given "
+            f"fault_tolerance.timeout_s={self.ft.timeout_s} s, so the run trains nothing across replicas. Fix: "
+            "raise fault_tolerance.timeout_s if the collectives need longer (quorum_timeout_s if the quorums do, "
+            "and check that the lighthouse is up); the groups' logs name the failing collective; "
+            "fault_tolerance.max_failed_exchanges allows more in a row."
+        ) from cause
 
     def failed(self) -> bool:
         return self.manager.errored() is not None

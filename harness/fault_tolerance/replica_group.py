@@ -32,10 +32,6 @@ log = logging.getLogger(__name__)
 HEAL_DIGEST_ENV = "HARNESS_HEAL_DIGEST"
 
 
-class ExchangesFailed(RuntimeError):
-    """`fault_tolerance.max_failed_exchanges` exchanges in a row did not commit; the message names the fix."""
-
-
 class ReplicaGroup:
     """One replica group's side of fault tolerance, for the Trainer: the quorum at
     the start of each step that crosses replicas (and of the first step a group
@@ -55,8 +51,6 @@ class ReplicaGroup:
     def before_step(self) -> None:
         """Open a quorum if the coming step crosses replicas (or is this group's first):
         a heal here replaces every part of the job, the trainer's step included."""
-        if self.link.failed_in_a_row >= self.ft.max_failed_exchanges:
-            raise self._exchanges_failed()
         if self.joined and not self.trainer.job.cross_replica.crosses_replicas():
             return
         heals = self.heals
@@ -67,18 +61,6 @@ class ReplicaGroup:
             self._quorum(lambda: self.link.begin(self.trainer.state.step))
         if self.heals > heals:
             self.row[metrics.FT_HEAL_TIME] = self.row[metrics.FT_QUORUM_TIME]
-
-    def _exchanges_failed(self, quorum: QuorumFailed | None = None) -> ExchangesFailed:
-        """`quorum`: the last failure was a quorum's, not an exchange's."""
-        last = f" (the last: {quorum})" if quorum else ""
-        return ExchangesFailed(
-            f"fault_tolerance: the last {self.link.failed_in_a_row} exchanges across replica groups did not "
-            f"commit{last} (replica group {self.replica_id}, step {self.trainer.state.step}), "
-            f"each given fault_tolerance.timeout_s={self.ft.timeout_s} s, so the run trains nothing across "
-            "replicas. Fix: raise fault_tolerance.timeout_s if the collectives need longer (quorum_timeout_s if "
-            "the quorums do, and check that the lighthouse is up); the groups' logs name the failing "
-            "collective; fault_tolerance.max_failed_exchanges allows more in a row."
-        )
 
     def complete_the_last_exchange(self) -> None:
         """At the run's last step, redo its exchange if it did not commit (a group was lost in it): no
@@ -111,9 +93,7 @@ class ReplicaGroup:
                 open_quorum()
                 break
             except QuorumFailed as e:
-                self.link.failed_in_a_row += 1
-                if self.link.failed_in_a_row >= self.ft.max_failed_exchanges:
-                    raise self._exchanges_failed(e) from e
+                self.link.exchange_failed(e)
                 log.warning("step %d: %s; asking again", self.trainer.state.step + 1, e)
         replicas = self.link.size()
         if self.replicas is not None and replicas != self.replicas:

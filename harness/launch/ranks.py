@@ -20,8 +20,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_pr
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from harness.checkpoint import CheckpointError
-from harness.fault_tolerance.link import LighthouseUnreachable
-from harness.fault_tolerance.replica_group import ExchangesFailed
+from harness.fault_tolerance.link import ExchangesFailed, LighthouseUnreachable
 from harness.launch.check import start_method
 from harness.launch.exit import exit_now_when_done, exit_on_exception, record_failure
 from harness.launch.logs import setup_logging
