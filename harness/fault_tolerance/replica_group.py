@@ -38,7 +38,7 @@ class ReplicaGroup:
     runs, which is how a restarted group joins), the heal state, the ft/* metrics."""
 
     def __init__(self, trainer, link: TorchftLink, replica_id: int, shard: int, seed: int, ft, outputs: Path):
-        """`ft`: the fault_tolerance config (its quorum timeout, timeout and bound on failed exchanges)."""
+        """`ft`: the fault_tolerance config (its quorum timeout: how long a group's first quorum waits for a peer)."""
         self.trainer, self.link, self.replica_id = trainer, link, replica_id
         self.shard, self.seed, self.ft, self.outputs = shard, seed, ft, outputs
         self.alone_after_s = ft.quorum_timeout_s
