@@ -40,7 +40,7 @@ class ReplicaGroup:
     def __init__(self, trainer, link: TorchftLink, replica_id: int, shard: int, seed: int, ft, outputs: Path):
         """`ft`: the fault_tolerance config (its quorum timeout: how long a group's first quorum waits for a peer)."""
         self.trainer, self.link, self.replica_id = trainer, link, replica_id
-        self.shard, self.seed, self.ft, self.outputs = shard, seed, ft, outputs
+        self.shard, self.seed, self.outputs = shard, seed, outputs
         self.alone_after_s = ft.quorum_timeout_s
         self.restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0  # the launcher's and torchrun's
         self.heals, self.skipped_steps, self.replicas, self.joined = 0, 0, None, False
