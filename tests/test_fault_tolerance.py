@@ -446,48 +446,59 @@ def test_synchronous_groups_train_what_one_world_and_torchft_ddp_train(tmp_path,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("failing", ["collectives", "lighthouse"])
-def test_a_run_whose_exchanges_never_commit_fails_naming_the_timeout(tmp_path, failing):
-    """No exchange across the groups commits: with fault_tolerance.timeout_s=0.001 the collectives
-    (and at times the quorum) fail; a lighthouse killed mid-run gives no quorum, which each group asks
-    again. After fault_tolerance.max_failed_exchanges failures in a row each group stops with one
-    paragraph naming the timeout, is not restarted, and the run fails; it used to skip every step
-    and exit 0 (or restart the group whose quorum failed)."""
+@pytest.mark.parametrize("failing", ["collectives", "quorums", "lighthouse"])
+def test_a_run_whose_exchanges_never_commit_fails_naming_the_cause(tmp_path, failing):
+    """No exchange across the groups commits, so each group stops with one paragraph naming the cause and
+    the fix, is not restarted, and the run fails (it used to skip every step and exit 0, or restart the
+    group whose quorum failed):
+    - collectives: fault_tolerance.timeout_s=0.001 (should_commit's request, and at times the quorum's,
+      time out too);
+    - quorums: the lighthouse wants more groups than there are (its own --min_replicas), so no quorum
+      forms; each group asks again, and stops after fault_tolerance.max_failed_exchanges in a row;
+    - lighthouse: SIGKILLed at step 10, as when its machine dies; the first failed quorum finds it gone."""
     args = [a for a in FT if not a.startswith(("fault_tolerance.timeout_s", "train.steps"))]
     if failing == "collectives":
         # at the first failure: should_commit's own request may time out too, and below the bound the rank then
         # fails (it cannot tell whether its group committed), so the group would restart
         args += ["train.steps=40", "fault_tolerance.timeout_s=0.001", "fault_tolerance.max_failed_exchanges=1"]
         proc = run_train(args, tmp_path / "run", base_env(tmp_path), tmp_path)
-        named = "1 exchange in a row across replica groups did not commit"
-        assert "fault_tolerance.timeout_s=0.001 s" in proc.stderr, proc.stderr[-3000:]
+        named = ["1 exchange in a row across replica groups did not commit", "fault_tolerance.timeout_s=0.001 s"]
     else:
         serve = (  # in a process of its own, to be SIGKILLed as when its machine dies
             "import time; from torchft.coordination import LighthouseServer; "
-            "lighthouse = LighthouseServer(bind='[::]:0', min_replicas=1, heartbeat_timeout_ms=500); "
-            "print(lighthouse.address(), flush=True); time.sleep(600)"
+            f"lighthouse = LighthouseServer(bind='[::]:0', min_replicas={3 if failing == 'quorums' else 1}, "
+            "heartbeat_timeout_ms=500); print(lighthouse.address(), flush=True); time.sleep(600)"
         )
         lighthouse = subprocess.Popen(
             [sys.executable, "-c", serve], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
         )
+        address = lighthouse.stdout.readline().strip()
         args += ["train.steps=100000", "fault_tolerance.quorum_timeout_s=1", "fault_tolerance.max_failed_exchanges=3"]
-        args += [f"fault_tolerance.lighthouse={lighthouse.stdout.readline().strip()}"]
+        args += [f"fault_tolerance.lighthouse={address}"]
         out, err = (tmp_path / "stdout").open("w+"), (tmp_path / "stderr").open("w+")  # a pipe could fill and stop it
-        train = subprocess.Popen(
-            [sys.executable, str(TRAIN), *args, f"hydra.run.dir={tmp_path / 'run'}"],
-            env=base_env(tmp_path), cwd=tmp_path, stdout=out, stderr=err, text=True,
-        )  # fmt: skip
-        log, deadline = tmp_path / "run" / "train.log", time.monotonic() + 300
-        while not (log.exists() and "step 10/" in log.read_text()) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        lighthouse.kill()
-        lighthouse.wait()
-        train.wait(timeout=300)
+        try:
+            train = subprocess.Popen(
+                [sys.executable, str(TRAIN), *args, f"hydra.run.dir={tmp_path / 'run'}"],
+                env=base_env(tmp_path), cwd=tmp_path, stdout=out, stderr=err, text=True,
+            )  # fmt: skip
+            log, deadline = tmp_path / "run" / "train.log", time.monotonic() + 300
+            if failing == "lighthouse":
+                while not (log.exists() and "step 10/" in log.read_text()) and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                lighthouse.kill()
+            train.wait(timeout=300)
+        finally:
+            lighthouse.kill()
         proc = subprocess.CompletedProcess(train.args, train.returncode, *(f.seek(0) or f.read() for f in (out, err)))
-        named = "3 exchanges in a row across replica groups did not commit (the last: no quorum within "
-        named += "fault_tolerance.quorum_timeout_s=1.0 s)"
+        named = {
+            "quorums": [
+                "3 exchanges in a row across replica groups did not commit (the last: no quorum within "
+                "fault_tolerance.quorum_timeout_s=1.0 s)"
+            ],
+            "lighthouse": [f"the torchft lighthouse at {address} stopped answering (the connection is refused)"],
+        }[failing]
     assert proc.returncode == 1, proc.stderr[-3000:]
-    assert named in proc.stderr and "restarting it" not in proc.stderr, proc.stderr[-3000:]
+    assert all(n in proc.stderr for n in named) and "restarting it" not in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stdout + proc.stderr
 
 

@@ -131,7 +131,7 @@ class TorchftLink:
         forget_previous_manager(group_rank)
         timeout = timedelta(seconds=ft.timeout_s)
         self.pg = ProcessGroupBabyNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
-        lighthouse = ft.lighthouse or os.environ.get(LIGHTHOUSE_ENV)
+        self.lighthouse = lighthouse = ft.lighthouse or os.environ.get(LIGHTHOUSE_ENV)
         refuse_a_closed_lighthouse(lighthouse)
         try:
             self.manager = Manager(
@@ -205,6 +205,14 @@ class TorchftLink:
             # (torchft's TODO there: recover from a failed quorum), so the quorum could only be asked again
             # by restarting the group; nothing else changed when the request failed, so forget it here
             self.manager._quorum_future = None
+            try:
+                refuse_a_closed_lighthouse(self.lighthouse)
+            except LighthouseUnreachable:  # it died: asking again cannot help
+                raise LighthouseUnreachable(
+                    f"fault_tolerance: the torchft lighthouse at {self.lighthouse} stopped answering (the connection "
+                    f"is refused), so no quorum can form (replica group {self.replica_id}, step {self.steps_done}). "
+                    "Fix: start it again at that address and restart the job: it resumes from its checkpoints."
+                ) from e
             if isinstance(e, TimeoutError):  # torchft's message is gRPC's "Cancelled: Timeout expired"
                 quorum_timeout_s = f"fault_tolerance.quorum_timeout_s={self.ft.quorum_timeout_s} s"
                 raise QuorumFailed(f"no quorum within {quorum_timeout_s}") from e
@@ -241,7 +249,8 @@ class TorchftLink:
             f"{last} (replica group {self.replica_id}, step {self.steps_done}), each given "
             f"fault_tolerance.timeout_s={self.ft.timeout_s} s, so the run trains nothing across replicas. Fix: "
             "raise fault_tolerance.timeout_s if the collectives need longer (quorum_timeout_s if the quorums do, "
-            "and check that the lighthouse is up); the groups' logs name the failing collective; "
+            "and check that the lighthouse's --min_replicas is at most the groups); the groups' logs name the "
+            "failing collective; "
             "fault_tolerance.max_failed_exchanges allows more in a row."
         ) from cause
 
