@@ -245,13 +245,11 @@ class TorchftLink:
         last = f" (the last: {cause})" if cause else ""
         raise ExchangesFailed(
             f"fault_tolerance: {self.failed_in_a_row} exchange{'s' * (self.failed_in_a_row > 1)} in a row across "
-            "replica groups did not commit"
-            f"{last} (replica group {self.replica_id}, step {self.steps_done}), each given "
-            f"fault_tolerance.timeout_s={self.ft.timeout_s} s, so the run trains nothing across replicas. Fix: "
+            f"replica groups did not commit{last} (replica group {self.replica_id}, step {self.steps_done}), each "
+            f"given fault_tolerance.timeout_s={self.ft.timeout_s} s, so the run trains nothing across replicas. Fix: "
             "raise fault_tolerance.timeout_s if the collectives need longer (quorum_timeout_s if the quorums do, "
             "and check that the lighthouse's --min_replicas is at most the groups); the groups' logs name the "
-            "failing collective; "
-            "fault_tolerance.max_failed_exchanges allows more in a row."
+            "failing collective; fault_tolerance.max_failed_exchanges allows more in a row."
         ) from cause
 
     def failed(self) -> bool:

@@ -54,11 +54,8 @@ class ReplicaGroup:
         if self.joined and not self.trainer.job.cross_replica.crosses_replicas():
             return
         heals = self.heals
-        if not self.joined:
-            self._quorum(self._join)
-            self.joined = True
-        else:
-            self._quorum(lambda: self.link.begin(self.trainer.state.step))
+        self._quorum(lambda: self.link.begin(self.trainer.state.step) if self.joined else self._join())
+        self.joined = True
         if self.heals > heals:
             self.row[metrics.FT_HEAL_TIME] = self.row[metrics.FT_QUORUM_TIME]
 
