@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils._pytree import tree_flatten
 
 from harness.checkpoint.files import write_durably
 from harness.checkpoint.replicas import Layout
@@ -69,9 +70,12 @@ class FullMode:
         the pages are shared between local ranks. Returns the set-state seconds."""
         state = torch.load(path / file_name(copy_key), map_location="cpu", mmap=True, weights_only=True)
         start = time.perf_counter()
-        full = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(model, state["model"], options=full)
-        set_optimizer_state_dict(model, optim, state["optim"], options=full)
+        set_model_state_dict(model, state["model"], options=StateDictOptions(full_state_dict=True))
+        # A whole optimizer state is distributed to this layout from the tensors the optimizer holds; a
+        # stateless one (SGD without momentum) holds none, and torch's distribute step then fails
+        # ("Expected device to be set"). Its state is its param groups alone: loaded as they are.
+        stateful = any(torch.is_tensor(v) and v.dim() > 0 for v in tree_flatten(state["optim"]["state"])[0])
+        set_optimizer_state_dict(model, optim, state["optim"], options=StateDictOptions(full_state_dict=stateful))
         return time.perf_counter() - start
 
     def load_parts(self, path: Path, parts: dict) -> None:
