@@ -13,22 +13,29 @@ default here, as on CUDA), batches and process count:
   proxies of a GPU's kernel launches and idle time, over `--count-steps` steps
   of each path after the timed rounds. Targets: ops <= 1.05x the hand-written
   loop's, 0 host syncs.
+- where replicas of one device train synchronously (`--nproc 2` or more,
+  `--strategy no_shard`), also against torch's DistributedDataParallel on the
+  same plain module: both overlap their gradient all-reduces with backward, in
+  buckets of the same size (the hand-written loop all-reduces its buckets
+  after backward).
 
 How: the real Hydra config is composed (averager=none, wandb disabled, fp32
 params and reductions) and `--nproc` ranks are started with the harness's own
 launcher (`harness.launch.start_local_ranks`, via bench/harness_runs.py; one
 rank runs in this process).
-Every rank builds both setups side by side and runs them in alternating rounds
-of `--steps-per-round` steps, swapping which one goes first each round to
+Every rank builds the setups side by side and runs them in alternating rounds
+of `--steps-per-round` steps, rotating which one goes first each round to
 cancel drift. A round is timed on rank 0 between two barriers, so
 it is as long as the slowest rank. Round 0 is warm-up and not counted. The
-result is the median over rounds of harness/minimal round-time ratios; the two
-models must end with identical parameters, which shows they did the same work.
+result is the median over rounds of harness/minimal (and harness/DDP) round-time
+ratios; the models must end with identical parameters, which shows they did the
+same work.
 
     python bench/overhead.py [--nproc 2] [--rounds 30] [--steps-per-round 10] [--count-steps 5]
                              [--model gpt|mlp] [--strategy full_shard] [hydra overrides ...]
     python bench/overhead.py --nproc 1        # one device: the plain module against a plain loop
-    python bench/overhead.py --smoke   # one rank, mlp, 2 rounds x 2 steps: the whole path in seconds
+    python bench/overhead.py --strategy no_shard   # 2 synchronous one-device replicas: + against DDP
+    python bench/overhead.py --smoke   # 2 one-device replicas (every path but FSDP2 by hand), mlp, 2 rounds x 2 steps
 """
 
 from __future__ import annotations
@@ -53,7 +60,8 @@ from harness.plan import RunPlan
 from harness.profiling import DispatchCounter
 
 TARGET, OPS_TARGET = 1.03, 1.05
-SMOKE = ["--nproc", "1", "--rounds", "2", "--steps-per-round", "2", "--count-steps", "2", "--model", "mlp"]
+SMOKE = ["--nproc", "2", "--strategy", "no_shard", "--rounds", "2", "--steps-per-round", "2", "--count-steps", "2"]
+SMOKE += ["--model", "mlp"]
 
 
 def compose_config(args: argparse.Namespace) -> DictConfig:
@@ -86,60 +94,67 @@ def count_dispatch(steps, n: int) -> tuple[float, float]:
 def worker(
     cfg: DictConfig, run_dir: Path, plan: RunPlan, rounds: int, steps_per_round: int, count_steps: int, command: str
 ) -> None:
-    """One rank: the harness path and the hand-written one side by side, in alternating rounds."""
+    """One rank: the harness path and the hand-written ones side by side, in rotating rounds."""
     with rank_env(cfg, run_dir) as env:  # the harness logs as under train.py: stdout + train.log on rank 0
         # (a) the harness path: its own assembly (mesh, model, sharding, optimizer, data) and loop;
         # rank 0 writes metrics.jsonl as in any run (wandb disabled, checkpoint=none by default)
         job = build_job(cfg, env, plan)
         with Trainer(job, cfg, env, run_dir) as trainer:
-            # (b) the hand-written loop for the same layout
+            # (b) the hand-written loop for the same layout, and DDP beside synchronous one-device replicas
             one_device = job.mesh["shard"].size() == 1
-            if one_device:
-                m_model, run_minimal = plain(cfg, env, average_gradients=env.world_size > 1)
+            models, loops = {"harness": job.model}, {}
+            if not one_device:
+                models["minimal"], loops["minimal"] = minimal_fsdp2(cfg, job.mesh, env)
+            elif env.world_size == 1:
+                models["minimal"], loops["minimal"] = plain(cfg, env)
             else:
-                m_model, run_minimal = minimal_fsdp2(cfg, job.mesh, env)
+                models["minimal"], loops["minimal"] = plain(cfg, env, gradients="buckets")
+                models["DDP"], loops["DDP"] = plain(cfg, env, gradients="ddp")
 
-            def run_harness(n: int = steps_per_round) -> None:
+            def run_harness(n: int) -> None:
                 trainer.run(until=trainer.state.step + n)
 
-            paths = {"harness": run_harness, "minimal": lambda: run_minimal(steps_per_round)}
+            paths = {"harness": run_harness, **loops}
             times = {name: [] for name in paths}
             orders = []
             for r in range(rounds):
-                order = ("harness", "minimal") if r % 2 == 0 else ("minimal", "harness")
-                orders.append(order[0][0] + order[1][0])
+                order = list(paths)[r % len(paths) :] + list(paths)[: r % len(paths)]
+                orders.append("".join(name[0] for name in order))
                 for name in order:
                     synchronize(env.device)
                     dist.barrier()
                     start = time.perf_counter()
-                    paths[name]()
+                    paths[name](steps_per_round)
                     synchronize(env.device)
                     dist.barrier()
                     times[name].append((time.perf_counter() - start) / steps_per_round)
 
-            # count steps that do not log: both paths first train to the harness's next log step
+            # count steps that do not log: every path first trains to the harness's next log step
             to_log_step = -trainer.state.step % cfg.train.log_every or cfg.train.log_every
-            run_harness(to_log_step)
-            run_minimal(to_log_step)
-            counts = {
-                "harness": count_dispatch(run_harness, count_steps),
-                "minimal": count_dispatch(run_minimal, count_steps),
-            }
+            for run in paths.values():
+                run(to_log_step)
+            counts = {name: count_dispatch(run, count_steps) for name, run in paths.items()}
 
-        diff = torch.zeros(())
-        for hp, mp in zip(job.model.parameters(), m_model.parameters(), strict=True):
-            diff = torch.maximum(diff, (local_view(hp) - local_view(mp)).abs().max().cpu())
-        dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+        diffs = {}
+        for name, model in models.items():
+            diff = torch.zeros(())
+            for hp, mp in zip(job.model.parameters(), model.parameters(), strict=True):
+                diff = torch.maximum(diff, (local_view(hp) - local_view(mp)).abs().max().cpu())
+            dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+            diffs[name] = diff.item()
 
         if env.is_main:
-            reference = "plain module" if one_device else "minimal FSDP2"
-            report(cfg, env, job, times, orders, steps_per_round, command, diff.item(), counts, reference)
+            reference = "plain-module loop" if one_device else "minimal FSDP2 loop"
+            if one_device and env.world_size > 1:
+                reference += ", its gradients' mean taken after backward in the harness's buckets"
+            report(cfg, env, job, times, orders, steps_per_round, command, diffs, counts, reference)
 
 
-def report(cfg, env, job, times, orders, steps_per_round, command, diff, counts, reference) -> None:
+def report(cfg, env, job, times, orders, steps_per_round, command, diffs, counts, reference) -> None:
     mesh, model = job.mesh, job.model
     params = sum(p.numel() for p in model.parameters())  # DTensor numel is the full (global) size
     model_desc = ", ".join(f"{k}={v}" for k, v in cfg.model.items())
+    others = [name for name in times if name != "harness"]
     print(f"\ncommand:  {command}")
     print(
         f"torch:    {torch.__version__}, backend {dist.get_backend()}, device {env.device}, "
@@ -153,35 +168,37 @@ def report(cfg, env, job, times, orders, steps_per_round, command, diff, counts,
         f"grad_clip={cfg.train.grad_clip}, batch {cfg.train.batch_size}x{cfg.train.seq_len} per rank, "
         f"data={cfg.data._target_}, harness log_every={cfg.train.log_every}"
     )
-    print(f"against:  the {reference} loop (bench/reference_loops.py)")
+    print(f"against:  minimal = the {reference} (bench/reference_loops.py)")
+    if "DDP" in times:
+        print("          DDP = torch's DistributedDataParallel on the same plain module, its default buckets")
     print(f"rounds:   {len(orders)} x {steps_per_round} steps per path, round 0 = warm-up\n")
-    print(f"{'round':>5} {'order':>5} {'harness ms':>11} {'minimal ms':>11} {'ratio':>7}")
-    ratios = []
-    for r, (order, h, m) in enumerate(zip(orders, times["harness"], times["minimal"])):
-        note = "  (warm-up)" if r == 0 else ""
-        if r > 0:
-            ratios.append(h / m)
-        print(f"{r:>5} {order:>5} {h * 1e3:>11.2f} {m * 1e3:>11.2f} {h / m:>7.3f}{note}")
-    h_med, m_med = (statistics.median(times[k][1:]) for k in ("harness", "minimal"))
-    print(f"\nmedian step time: harness {h_med * 1e3:.2f} ms, minimal {m_med * 1e3:.2f} ms")
-    print(f"per-round ratio:  min {min(ratios):.3f}, max {max(ratios):.3f}")
-    h_min, m_min = (min(times[k][1:]) for k in ("harness", "minimal"))
+    header = "".join(f"{name + ' ms':>11} {'ratio':>7}" for name in others)
+    print(f"{'round':>5} {'order':>5} {'harness ms':>11} {header}")
+    for r, order in enumerate(orders):
+        h = times["harness"][r]
+        cells = "".join(f"{times[name][r] * 1e3:>11.2f} {h / times[name][r]:>7.3f}" for name in others)
+        print(f"{r:>5} {order:>5} {h * 1e3:>11.2f} {cells}{'  (warm-up)' if r == 0 else ''}")
+    medians = {name: statistics.median(times[name][1:]) for name in times}
+    print("\nmedian step time: " + ", ".join(f"{name} {medians[name] * 1e3:.2f} ms" for name in times))
+    for name in others:
+        ratios = [h / m for h, m in zip(times["harness"][1:], times[name][1:])]
+        print(f"per-round ratio harness/{name}: min {min(ratios):.3f}, max {max(ratios):.3f}")
+        fastest = min(times["harness"][1:]) / min(times[name][1:])
+        print(f"fastest rounds' ratio harness/{name}: {fastest:.3f} (least disturbed by other load)")
+        same = "identical" if diffs[name] == 0 else "DIFFERENT: the two paths did not do the same work"
+        print(f"final parameters: max |harness - {name}| = {diffs[name]:.3g} ({same})")
+        median = statistics.median(ratios)
+        if name == "minimal":
+            verdict = "ok" if median <= TARGET else "ABOVE TARGET"
+            print(f"overhead: median ratio harness/minimal = {median:.3f} (target <= {TARGET}) {verdict}")
+        else:
+            print(f"median ratio harness/{name} = {median:.3f}")
+    h_ops, h_syncs = counts["harness"]
     print(
-        f"fastest round:    harness {h_min * 1e3:.2f} ms, minimal {m_min * 1e3:.2f} ms, ratio {h_min / m_min:.3f}"
-        " (least disturbed by other load)"
+        "\ndispatched per step that does not log (rank 0): "
+        + "; ".join(f"{name} {ops:.0f} aten ops, {syncs:g} host syncs" for name, (ops, syncs) in counts.items())
     )
-    print(
-        f"final parameters: max |harness - minimal| = {diff:.3g}"
-        f" ({'identical' if diff == 0 else 'DIFFERENT: the two paths did not do the same work'})"
-    )
-    median = statistics.median(ratios)
-    verdict = "ok" if median <= TARGET else "ABOVE TARGET"
-    print(f"overhead: median ratio harness/minimal = {median:.3f} (target <= {TARGET}) {verdict}")
-    (h_ops, h_syncs), (m_ops, m_syncs) = counts["harness"], counts["minimal"]
-    print(
-        f"\ndispatched per step that does not log (rank 0): harness {h_ops:.0f} aten ops, {h_syncs:g} host syncs; "
-        f"minimal {m_ops:.0f} aten ops, {m_syncs:g} host syncs"
-    )
+    m_ops = counts["minimal"][0]
     ops_verdict = "ok" if h_ops / m_ops <= OPS_TARGET else "ABOVE TARGET"
     print(f"ops: harness/minimal = {h_ops / m_ops:.3f} (target <= {OPS_TARGET}) {ops_verdict}")
     print(f"host syncs per step that does not log: harness {h_syncs:g} (target 0) {'ok' if h_syncs == 0 else 'ABOVE'}")

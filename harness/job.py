@@ -9,7 +9,7 @@ import torch
 from omegaconf import DictConfig
 from torch.distributed.device_mesh import DeviceMesh
 
-from harness.averaging import CrossReplica, local_optimizer, setup_cross_replica
+from harness.averaging import CrossReplica, GradientReduction, local_optimizer, setup_cross_replica
 from harness.averaging.link import ReplicaLink
 from harness.data import TokenStream, build_data
 from harness.dist import DistEnv
@@ -19,7 +19,6 @@ from harness.models import build_model
 from harness.optim import StepInBackward, build_local_optimizer
 from harness.plan import RunPlan
 from harness.sharding import (
-    GradientReduction,
     apply_sharding,
     checkpoint_activations,
     compile_model,
@@ -27,7 +26,7 @@ from harness.sharding import (
     resolve_dtype,
 )
 
-BUCKET_BYTES = 25 * 2**20  # a replica of one device's gradient buckets across replica groups (DDP's default)
+BUCKET_BYTES = 25 * 2**20  # a replica of one device's gradient buckets across replicas (DDP's default)
 
 
 class Stateful(Protocol):
@@ -68,7 +67,7 @@ class Job:
     cross_replica: CrossReplica | None  # None when there is a single replica
     lr_schedule: LRSchedule  # the local optimizer's learning rate, stepped after each optimizer step
     flops_per_token: float  # training FLOPs of the model per token, for train/mfu
-    # a replica of one device whose gradients cross replicas: its per-parameter reduction (None otherwise)
+    # a replica of one device whose gradients cross replicas: its gradient reduction (None otherwise)
     gradient_reduction: GradientReduction | None = None
 
     @property
@@ -109,10 +108,9 @@ def build_job(cfg: DictConfig, env: DistEnv, plan: RunPlan, link: ReplicaLink | 
     reduction = None
     if one_device and plan.replicate > 1:  # before the optimizer: a step in backward takes the reduced gradient
         reduce_dtype = resolve_dtype(cfg.sharding.reduce_dtype, env.device, low_precision_on_cuda=False)
-        # through torchft's process group each collective costs a round trip: buckets, unless a parameter steps
-        # on its own reduced gradient in backward
-        bucketed = link is not None and not cfg.optimizer.get("in_backward")
-        reduction = GradientReduction(model, reduce_dtype, BUCKET_BYTES if bucketed else 0)
+        # in buckets overlapped with backward, unless a parameter steps on its own reduced gradient in backward
+        bucket_bytes = 0 if cfg.optimizer.get("in_backward") else BUCKET_BYTES
+        reduction = GradientReduction(model, reduce_dtype, bucket_bytes)
     optimizer = build_local_optimizer(cfg.optimizer, model.parameters(), env.device)
     lr_schedule = build_lr_schedule(cfg.lr_scheduler, optimizer, cfg.train.steps)
     optimizer, cross_replica = setup_cross_replica(

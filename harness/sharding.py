@@ -11,8 +11,8 @@ A replica of one device (shard size 1: one GPU, `no_shard`, a replica group of
 one rank) has nothing to shard, so it is not wrapped: FSDP2 at shard size 1
 only adds copies, views and collectives of one rank to every step. It is a
 plain module with fp32 parameters computing under autocast, as `ddp`'s; where
-its gradients cross replicas, `GradientReduction` hands each one to the
-cross-replica hook, as FSDP2's reduce hands its output to `set_all_reduce_hook`.
+its gradients cross replicas, `harness.gradient_reduction` reduces them, as
+DDP's reducer does for DDP.
 """
 
 from __future__ import annotations
@@ -101,80 +101,6 @@ def autocast_forward(model: nn.Module, cfg: ShardingConf, device: torch.device) 
     compute_dtype = resolve_dtype(cfg.param_dtype, device, low_precision_on_cuda=True)
     if compute_dtype != torch.float32:
         model.forward = torch.autocast(device.type, dtype=compute_dtype)(model.forward)
-
-
-class GradientReduction:
-    """The gradient side of a replica of one device, whose gradients cross replicas
-    (a warmup step, synchronous training): what FSDP2's reduce is to a sharded
-    replica, with FSDP2's two switches. After a parameter's gradient is
-    accumulated on a step's last micro-batch (`set_requires_gradient_sync`), it
-    goes to the hook `set_all_reduce_hook` gave (harness.averaging's
-    cross-replica mean), in `reduce_dtype`, in place.
-
-    By default one parameter at a time, as backward produces them, so that a
-    parameter stepped in backward (`optimizer.in_backward`, whose hooks are
-    registered after these) steps on the reduced gradient. Every replica runs the
-    same graph, so the collectives come in the same order on every rank, as
-    FSDP2's reduce-scatters do. With `bucket_bytes`, the gradients go to the hook
-    as flat buckets of about that size, in the order backward produced them, the
-    last when backward ends (as DDP's buckets: one collective per bucket, which
-    pays where each costs a round trip, as through torchft's process group).
-    """
-
-    def __init__(self, model: nn.Module, reduce_dtype: torch.dtype, bucket_bytes: int = 0):
-        self.reduce_dtype, self.bucket_bytes = reduce_dtype, bucket_bytes
-        self.hook = None
-        self.requires_sync = True
-        self.bucket: list[torch.Tensor] = []  # gradients waiting for their bucket to fill
-        self.bucket_filled = 0  # their bytes in reduce_dtype
-        self.flush_queued = False
-        for p in model.parameters():
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(self._reduce)
-
-    def set_all_reduce_hook(self, hook) -> None:
-        self.hook = hook
-
-    def set_requires_gradient_sync(self, requires_sync: bool) -> None:
-        self.requires_sync = requires_sync
-
-    @torch.no_grad()
-    def _reduce(self, param: torch.Tensor) -> None:
-        if self.hook is None or not self.requires_sync:
-            return
-        if self.bucket_bytes:
-            self._add_to_bucket(param.grad)
-            return
-        grad = param.grad
-        if grad.dtype == self.reduce_dtype:
-            self.hook(grad)
-            return
-        reduced = grad.to(self.reduce_dtype)
-        self.hook(reduced)
-        grad.copy_(reduced)
-
-    def _add_to_bucket(self, grad: torch.Tensor) -> None:
-        if not self.flush_queued:  # the last bucket goes when this backward ends
-            torch.autograd.Variable._execution_engine.queue_callback(self._flush)
-            self.flush_queued = True
-        self.bucket.append(grad)
-        self.bucket_filled += grad.numel() * self.reduce_dtype.itemsize
-        if self.bucket_filled >= self.bucket_bytes:
-            self._reduce_bucket()
-
-    @torch.no_grad()
-    def _flush(self) -> None:
-        self.flush_queued = False
-        self._reduce_bucket()
-
-    def _reduce_bucket(self) -> None:
-        if not self.bucket:
-            return
-        grads, self.bucket, self.bucket_filled = self.bucket, [], 0
-        flat = torch.cat([g.reshape(-1).to(self.reduce_dtype) for g in grads])
-        self.hook(flat)
-        for grad, reduced in zip(grads, flat.split([g.numel() for g in grads])):
-            grad.copy_(reduced.view_as(grad))
 
 
 def apply_sharding(

@@ -49,13 +49,6 @@ def fake_world_of_4():
     dist.destroy_process_group()
 
 
-@pytest.fixture
-def world_of_1():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-
-
 def steps_where(rule, steps: int = 17) -> list[int]:
     return [step for step in range(steps) if rule(step)]
 
@@ -524,28 +517,94 @@ def test_llama_flops_per_token_are_torchtitans_count(tie):
     assert HFCausalLM(vocab, config_overrides=shape).flops_per_token(seq_len) == expected
 
 
-@pytest.mark.parametrize("bucket_bytes,calls", [(0, {6}), (600, {2, 3, 4, 5}), (2**20, {1})])
-def test_a_one_device_replicas_gradients_reach_the_hook_once_in_buckets(bucket_bytes, calls):
-    """GradientReduction hands every gradient to the cross-replica hook once, in reduce_dtype, and
-    takes the hook's result back: one parameter at a time (0), or in flat buckets of about
-    `bucket_bytes` as backward produces them, the last when backward ends."""
-    from harness.sharding import GradientReduction
+class Doubled:
+    """A stand-in for the mean over the replicas, started on a flat tensor: `wait()` negates and doubles it,
+    so a gradient that went through the reduction and came back is told apart from autograd's."""
 
+    def __init__(self, flat: torch.Tensor, calls: list):
+        self.flat = flat
+        calls.append((flat.numel(), flat.dtype))
+
+    def wait(self) -> None:
+        self.flat.mul_(-2)
+
+
+def three_linears() -> torch.nn.Module:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))  # 6 tensors
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))  # 6 tensors
+
+
+@pytest.mark.parametrize("bucket_bytes,calls", [(0, 6), (600, 3), (2**20, 1)])
+def test_a_one_device_replicas_gradients_reach_the_hook_once_in_buckets(bucket_bytes, calls):
+    """GradientReduction hands every gradient to the cross-replica mean once, in reduce_dtype, and
+    takes the result back: one parameter at a time (0), or in flat buckets of about `bucket_bytes`
+    in reverse parameter order (3: 352, 576 and 512 bytes here), waited for when backward ends."""
+    from harness.averaging import GradientReduction
+
+    model = three_linears()
     reference = copy.deepcopy(model)
     inputs = torch.randn(5, 8)
     reference(inputs).square().sum().backward()
     seen = []
-
-    def hook(reduced: torch.Tensor) -> None:
-        assert reduced.dtype == torch.float64
-        seen.append(reduced.numel())
-        reduced.mul_(-2)
-
     reduction = GradientReduction(model, torch.float64, bucket_bytes)
-    reduction.set_all_reduce_hook(hook)
-    model(inputs).square().sum().backward()
-    assert len(seen) in calls and sum(seen) == sum(p.numel() for p in model.parameters())
+    reduction.set_all_reduce_hook(lambda flat: Doubled(flat, seen), active=lambda: True)
+    for _ in range(2):  # the buckets' buffers are kept from one backward to the next
+        model.zero_grad(set_to_none=True)
+        seen.clear()
+        model(inputs).square().sum().backward()
+        assert len(seen) == calls and {dtype for _, dtype in seen} == {torch.float64}
+        assert sum(n for n, _ in seen) == sum(p.numel() for p in model.parameters())
+        for mine, theirs in zip(model.parameters(), reference.parameters()):
+            assert torch.equal(mine.grad, -2 * theirs.grad)
+
+
+# bucket_bytes in bf16: the last layer's 2 tensors, then one each (the first bucket is in flight when backward
+# raises); or 3 buckets, the first not full when backward raises
+@pytest.mark.parametrize("bucket_bytes,started,buckets", [(80, 1, 5), (150, 0, 3)])
+def test_a_backward_that_raises_leaves_the_next_reduction_whole_and_a_local_one_untouched(
+    bucket_bytes, started, buckets
+):
+    """A backward that raises halfway leaves nothing behind: the next backwards' gradients all come back
+    reduced. A backward whose gradients do not cross replicas
+    (past the warmup) dispatches no op of the reduction's and leaves autograd's gradients bit for bit,
+    in a bfloat16 reduce_dtype too."""
+    from harness.averaging import GradientReduction
+    from harness.profiling import DispatchCounter
+
+    model = three_linears()
+    reference = copy.deepcopy(model)
+    inputs = torch.randn(5, 8)
+    reference(inputs).square().sum().backward()
+    seen, crosses, fail = [], [True], [True]
+    reduction = GradientReduction(model, torch.bfloat16, bucket_bytes)
+    reduction.set_all_reduce_hook(lambda flat: Doubled(flat, seen), active=lambda: crosses[0])
+
+    def forward() -> torch.Tensor:
+        hidden = model[1](model[0](inputs))
+        if fail[0]:  # raises in backward once the last layer's gradients (the first bucket) are in
+            hidden.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("out of memory")))
+        return model[2](hidden).square().sum()
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        forward().backward()
+    assert len(seen) == started
+    fail[0] = False
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        seen.clear()
+        forward().backward()
+        assert len(seen) == buckets
+        for mine, theirs in zip(model.parameters(), reference.parameters()):
+            assert torch.equal(mine.grad, (-2 * theirs.grad.bfloat16()).float())
+
+    crosses[0] = False
+    model.zero_grad(set_to_none=True)
+    reference.zero_grad(set_to_none=True)
+    with DispatchCounter() as local:
+        forward().backward()
+    with DispatchCounter() as plain:
+        reference(inputs).square().sum().backward()
+    assert reduction.buckets is None, "past the warmup the buckets' buffers are released"
+    assert local.total == plain.total, f"the reduction dispatched {local.total - plain.total} ops of its own"
     for mine, theirs in zip(model.parameters(), reference.parameters()):
-        assert torch.equal(mine.grad, -2 * theirs.grad)
+        assert torch.equal(mine.grad, theirs.grad)

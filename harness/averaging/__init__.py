@@ -2,8 +2,9 @@
 the `replicate` dimension of the mesh.
 
 Until `warmup_steps` every step is synchronous: gradients are averaged across
-replicas (`hooks`). From then on no gradient crosses replicas - each replica
-trains on its own data - and on a schedule (`schedule`), after the local
+replicas (`hooks`; a replica of one device's through its `gradient_reduction`).
+From then on no gradient crosses replicas - each replica trains on its own
+data - and on a schedule (`schedule`), after the local
 optimizer step, an averager (`averagers`, `diloco`) averages each rank's
 *local shard* of the parameters, or DiLoCo's pseudo-gradients, over a
 replicate (sub)group (`collectives`), counting the bytes (`traffic`).
@@ -23,6 +24,7 @@ from harness.averaging.collectives import (
 )
 from harness.averaging.cross_replica import CrossReplica, local_optimizer, setup_cross_replica
 from harness.averaging.diloco import DiLoCoAverager, OuterState, outer_step, plan_fragments
+from harness.averaging.gradient_reduction import GradientReduction
 from harness.averaging.traffic import CrossReplicaTraffic
 
 __all__ = [
@@ -30,6 +32,7 @@ __all__ = [
     "CrossReplica",
     "CrossReplicaTraffic",
     "DiLoCoAverager",
+    "GradientReduction",
     "HierarchicalReplicaAverager",
     "OuterState",
     "ReplicaAverager",

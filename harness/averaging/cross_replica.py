@@ -15,15 +15,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.optim import PostLocalSGDOptimizer
 
 from harness.averaging.averagers import ReplicaAverager
-from harness.averaging.hooks import (
-    count_synchronous_gradients,
-    mean_over_replicas,
-    set_all_reduce_hook,
-    sync_gradients_during_warmup,
-)
+from harness.averaging.gradient_reduction import GradientReduction
+from harness.averaging.hooks import count_synchronous_gradients, reduce_over_replicas, sync_gradients_during_warmup
 from harness.averaging.link import ReplicaLink
 from harness.averaging.traffic import CrossReplicaTraffic
-from harness.sharding import GradientReduction
 
 
 def setup_cross_replica(
@@ -51,7 +46,7 @@ def setup_cross_replica(
         if link is None:
             count_synchronous_gradients(model, traffic, reduction, mesh)
         else:  # replica groups (fault tolerance): every step's gradients cross the link
-            set_all_reduce_hook(model, reduction, lambda gradient: mean_over_replicas(gradient, link, traffic))
+            reduce_over_replicas(model, reduction, link, traffic)
         return optimizer, CrossReplica(traffic, None, link=link)
     # partial first: instantiate would merge (and copy) keyword objects into the config;
     # not recursive: nested configs (DiLoCo's outer optimizer) are the averager's to build

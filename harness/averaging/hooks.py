@@ -6,9 +6,10 @@ time without one (then only counted, where the layout reduces them itself).
   output over the replicate group during warmup and does nothing after it.
   (`set_requires_all_reduce(False)` looks like the switch but is gradient
   accumulation: grads are held back and parameters never change.)
-- A replica of one device (a plain module): the same hook, on its
-  `GradientReduction`, gets each parameter's gradient; synchronous training
-  has no native reduction there, so its hook always means over the replicas.
+- A replica of one device (a plain module): its `GradientReduction` starts the
+  same mean on buckets of its gradients as backward produces them, and waits
+  once when backward ends; synchronous training has no native reduction
+  there, so it always means over the replicas.
 - DDP: PyTorch's `post_localSGD_hook`, with the replica's own ranks as the
   explicit subgroup (on CPU, `subgroup=None` fails at `start_localSGD_iter`).
 """
@@ -24,9 +25,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from harness.averaging import schedule
 from harness.averaging.averagers import ReplicaAverager
+from harness.averaging.collectives import MeanInFlight, start_mean_over_group
+from harness.averaging.gradient_reduction import GradientReduction
 from harness.averaging.link import MeshLink, ReplicaLink
 from harness.averaging.traffic import CrossReplicaTraffic
-from harness.sharding import GradientReduction
 
 
 def sync_gradients_during_warmup(
@@ -53,27 +55,35 @@ def sync_gradients_during_warmup(
         model.register_comm_hook(state, ddp_hook)
         return state
 
-    def hook(reduced: torch.Tensor) -> None:
-        if averager.synchronous:
-            mean_over_replicas(reduced, averager.link, traffic)
-
-    set_all_reduce_hook(model, reduction, hook)
+    reduce_over_replicas(model, reduction, averager.link, traffic, active=lambda: averager.synchronous)
     return None
 
 
-def mean_over_replicas(gradient: torch.Tensor, link: ReplicaLink, traffic: CrossReplicaTraffic) -> None:
-    """Replace a reduced gradient (FSDP2's reduce output, or a one-device replica's gradient)
-    by its mean over the replicas, in place, counting its bytes."""
-    link.all_reduce(gradient).wait()
-    gradient.div_(link.size())
+def start_mean_over_replicas(gradient: torch.Tensor, link: ReplicaLink, traffic: CrossReplicaTraffic) -> MeanInFlight:
+    """Start replacing a reduced gradient (FSDP2's reduce output, or a bucket of a one-device replica's
+    gradients) by its mean over the replicas, in place, counting its bytes."""
     traffic.add_grad(gradient)
+    return start_mean_over_group(gradient, link, gradient.dtype)
 
 
-def set_all_reduce_hook(model: torch.nn.Module, reduction: GradientReduction | None, hook) -> None:
-    """`hook` after each gradient reduction of a replica: its `GradientReduction`'s, or every FSDP module's."""
+def reduce_over_replicas(
+    model: torch.nn.Module,
+    reduction: GradientReduction | None,
+    link: ReplicaLink,
+    traffic: CrossReplicaTraffic,
+    active=lambda: True,
+) -> None:
+    """While `active()`, each gradient reduction of a replica is followed by the mean over the replicas:
+    its `GradientReduction`'s buckets (started as they fill, waited for when backward ends), or every FSDP
+    module's reduce-scatter output (FSDP2's all-reduce hook, waited for in the hook)."""
     if reduction is not None:
-        reduction.set_all_reduce_hook(hook)
+        reduction.set_all_reduce_hook(lambda flat: start_mean_over_replicas(flat, link, traffic), active)
         return
+
+    def hook(reduced: torch.Tensor) -> None:
+        if active():
+            start_mean_over_replicas(reduced, link, traffic).wait()
+
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_all_reduce_hook(hook)
@@ -85,8 +95,7 @@ def count_synchronous_gradients(
     """Synchronous multi-replica training: count the gradient all-reduce the layout already does (DDP, native
     HSDP), or, for replicas of one device, do it (the mean over the mesh's replicate group) and count it."""
     if reduction is not None:
-        link = MeshLink(mesh.get_group("replicate"))
-        reduction.set_all_reduce_hook(lambda gradient: mean_over_replicas(gradient, link, traffic))
+        reduce_over_replicas(model, reduction, MeshLink(mesh.get_group("replicate")), traffic)
         return
     if isinstance(model, DistributedDataParallel):
 
