@@ -194,7 +194,7 @@ class Trainer:
                     micro_loss = micro_loss / micro_batches
                 if job.steps_in_backward:  # optimizer.in_backward: the parameters change during backward
                     self.checkpointer.wait_for_staging()
-                micro_loss.backward()
+                self.nonfinite.backward(micro_loss)  # a non-finite loss makes the gradients NaN
             loss = micro_loss.detach() if loss is None else loss + micro_loss.detach()
         return loss
 
@@ -207,7 +207,8 @@ class Trainer:
         averaged = job.cross_replica is not None and job.cross_replica.averaged_this_step
         row = {}
         evaluated = cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == cfg.steps)
-        if log_step or averaged or evaluated or self.checkpointer.due(step, cfg.steps):  # the host waits here anyway
+        waits = log_step or averaged or evaluated or self.checkpointer.due(step, cfg.steps)  # the host waits anyway
+        if waits or self.nonfinite.due(step):
             row.update(self.nonfinite.report(step))  # train.nonfinite=error raises here, before eval and save
         if evaluated:
             row.update(evaluate(job.model, job.data, cfg.eval_batches))
@@ -221,7 +222,8 @@ class Trainer:
             row.update(self._progress(step, loss, grad_norm, lr, row.get(metrics.EVAL_LOSS)))
         elif evaluated and self.env.is_main:
             log.info("step %d/%d | eval loss %.4f", step, cfg.steps, row[metrics.EVAL_LOSS])
-        if log_step or averaged or evaluated or saved or not finite or metrics.FT_QUORUM_TIME in row:
+        skipped = metrics.TRAIN_SKIPPED_NONFINITE in row  # this step (the host's check), or reported here
+        if log_step or averaged or evaluated or saved or skipped or metrics.FT_QUORUM_TIME in row:
             if job.cross_replica is not None:  # its bytes since the previous logged row
                 row.update(job.cross_replica.step_metrics())
             self.sink.log(row, step)

@@ -5,15 +5,25 @@ A fused optimizer (`optimizer.fused`, the default on CUDA) skips its whole
 update, moments and step count included, when its `found_inf` tensor is 1:
 the flag `torch.amp.GradScaler` sets for it. So each step costs a few device
 ops: the flag is the gradient norm's finiteness, which is the same on every
-rank of a replica (the norm is reduced over the replica's shards) and covers
-the loss (a NaN/inf loss makes every gradient NaN/inf, and the gradient
-reduction spreads it to every rank of the replica). A replica that skips a
+rank of a replica (the norm is reduced over the replica's shards). It covers
+the loss: backward starts from `loss·0 + 1` instead of 1 (`backward`), so a
+NaN/inf loss makes every gradient NaN, even an infinite loss whose gradients
+would be finite (a target whose logit is -inf), and the gradient reduction
+carries that to every rank that shares the gradients. A replica that skips a
 local step alone is fine: it still takes part in every collective.
 
+A skipped step leaves the optimizer's state as it was, bit for bit. Where a
+fused step is the optimizer's first, it creates the state it then skips
+writing (fused SGD's momentum comes from `empty_like`), so that one step reads
+its flag back on the host and, if it was skipped, forgets the state it
+created: the next step is a first step again, as in a run that never saw the
+bad batch.
+
 The host reads what happened only where it waits anyway: on log steps and on
-steps that evaluate, save or average (`report`). `skip` logs there how many
-steps were skipped; `error` stops there, naming the first step that was not
-finite, at most `train.log_every - 1` steps after it. Either way no
+steps that evaluate, save or average, and at least every `MAX_UNREPORTED`
+steps, which bounds the flags kept on the device (`report`). `skip` logs there
+how many steps were skipped; `error` stops there, naming the first step that
+was not finite, at most `train.log_every - 1` steps after it. Either way no
 non-finite value was ever applied, so none is saved or averaged (a save also
 refuses non-finite state).
 
@@ -35,6 +45,8 @@ from harness.dist import true_on_every_rank
 
 log = logging.getLogger(__name__)
 
+MAX_UNREPORTED = 1000  # steps between two reads of the device's flags, at most (one float each)
+
 
 class NonFiniteLossError(RuntimeError):
     """The loss or gradients became NaN/inf; the message names the step and the fix."""
@@ -49,9 +61,17 @@ class NonFiniteGuard:
         self.on_device = getattr(optimizer, "_step_supports_amp_scaling", False) and not steps_in_backward
         self.optimizer = optimizer
         if self.on_device:
-            # one flag per step since the last report: a report falls at least every log_every steps
-            self.flags = torch.zeros(log_every, device=device)
+            # one flag per step since the last report: a report falls at least every len(flags) steps
+            self.flags = torch.zeros(min(log_every, MAX_UNREPORTED), device=device)
             self.reported = 0  # the last step reported
+            optimizer.register_step_pre_hook(self._before_step)
+            optimizer.register_step_post_hook(self._after_step)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """`loss.backward()`; on the device, from `loss·0 + 1` (1 for a finite loss, NaN otherwise), so that
+        a non-finite loss makes every gradient NaN, which the gradient norm's check sees on every rank
+        that shares the gradients. The host's check reads the loss itself."""
+        loss.backward(loss.detach() * 0 + 1 if self.on_device else None)
 
     def check(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> bool:
         """Whether the optimizer may step. On the device: always (a non-finite step is
@@ -70,6 +90,21 @@ class NonFiniteGuard:
             return True
         self._handle(step, [step])
         return False
+
+    def _before_step(self, optimizer, args, kwargs) -> None:
+        self.states_before = len(optimizer.state)
+
+    def _after_step(self, optimizer, args, kwargs) -> None:
+        """A step that created optimizer state (a first step) and was skipped created it without writing
+        it: forget it, so the next step is a first step again. Read on the host, once: every later step
+        finds the state there."""
+        if len(optimizer.state) > self.states_before and optimizer.found_inf.item():
+            for p in list(optimizer.state)[self.states_before :]:
+                del optimizer.state[p]
+
+    def due(self, step: int) -> bool:
+        """The device's flags are full: report at this step even where the host would not wait."""
+        return self.on_device and step - self.reported >= len(self.flags)
 
     def report(self, step: int) -> dict:
         """Where the host waits anyway: the steps since the last report that were skipped on the
