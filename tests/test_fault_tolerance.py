@@ -110,6 +110,35 @@ def wait_for_line(log: Path, text: str, count: int, proc: subprocess.Popen, time
     raise AssertionError(f"{text!r} not {count} times in {log} within {timeout} s")
 
 
+def test_a_heal_state_is_staged_in_one_buffer_of_its_exact_size_reused_until_released():
+    """HostStaging copies a heal state into one flat host buffer (each tensor at an aligned offset, so the
+    buffer is the state's size plus at most ALIGN bytes a tensor), reuses it while the layout stays the same,
+    and frees it on `release` even while the transport still holds views of it. (On CUDA it is page-locked
+    and the copies wait for the training stream: see HostStaging.stage; no CPU test can show that order.)"""
+    import torch
+
+    from harness.fault_tolerance.replica_group import HostStaging
+
+    state = {"step": 7, "model": {"w": torch.randn(3, 5), "b": torch.arange(3.0)}, "n": torch.tensor(4)}
+    state["optim"] = {"state": {"w": {"exp_avg": torch.randn(3, 5).bfloat16(), "step": torch.tensor(2.0)}}}
+    staging = HostStaging(training_stream=None)
+    staged = staging.stage(state)
+    tensors = [state["model"]["w"], state["model"]["b"], state["n"], *state["optim"]["state"]["w"].values()]
+    assert staging.nbytes == sum(t.numel() * t.element_size() for t in tensors)
+    assert staging.nbytes <= staging.flat.numel() <= staging.nbytes + len(tensors) * HostStaging.ALIGN
+    assert staged["step"] == 7 and torch.equal(staged["optim"]["state"]["w"]["exp_avg"], tensors[3])
+    assert all(torch.equal(a, b) and a.data_ptr() != b.data_ptr() for a, b in zip(staging.buffers, tensors))
+    state["model"]["w"].add_(1)  # training goes on: the staged copy stays as it was
+    assert not torch.equal(staged["model"]["w"], state["model"]["w"])
+    flat = staging.flat
+    again = staging.stage(state)
+    assert staging.flat is flat and torch.equal(again["model"]["w"], state["model"]["w"])
+    staging.release()
+    assert flat.untyped_storage().nbytes() == 0 and staging.flat is None
+    state["model"]["w"] = torch.randn(4, 5)  # another layout: a buffer of its own size
+    assert torch.equal(staging.stage(state)["model"]["w"], state["model"]["w"])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("averager", sorted(AVERAGERS))
 def test_a_killed_replica_group_heals_while_the_other_trains_on(tmp_path, averager):

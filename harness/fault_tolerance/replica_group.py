@@ -43,8 +43,10 @@ class ReplicaGroup:
         self.shard, self.seed, self.outputs = shard, seed, outputs
         self.alone_after_s = ft.quorum_timeout_s
         self.restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0  # the launcher's and torchrun's
-        self.heals, self.skipped_steps, self.replicas, self.joined = 0, 0, None, False
-        self.staging = HostStaging()  # what this group sends a peer it heals
+        self.heals, self.heals_sent, self.skipped_steps, self.replicas, self.joined = 0, 0, 0, None, False
+        device = trainer.env.device
+        # what this group sends a peer it heals, copied after the work queued on the training stream
+        self.staging = HostStaging(torch.cuda.current_stream(device) if device.type == "cuda" else None)
         self.row: dict = {}
         link.manager.register_state_dict_fn("harness", self._load_heal_state, self._heal_state)
 
@@ -53,11 +55,13 @@ class ReplicaGroup:
         a heal here replaces every part of the job, the trainer's step included."""
         if self.joined and not self.trainer.job.cross_replica.crosses_replicas():
             return
-        heals = self.heals
+        heals, sent = self.heals, self.heals_sent
         self._quorum(lambda: self.link.begin(self.trainer.state.step) if self.joined else self._join())
         self.joined = True
         if self.heals > heals:
             self.row[metrics.FT_HEAL_TIME] = self.row[metrics.FT_QUORUM_TIME]
+        if self.heals_sent == sent:  # no peer to heal: a heal sent at an earlier quorum has been received by now
+            self.staging.release()
 
     def complete_the_last_exchange(self) -> None:
         """At the run's last step, redo its exchange if it did not commit (a group was lost in it): no
@@ -152,10 +156,11 @@ class ReplicaGroup:
     def _heal_state(self) -> dict:
         """What a live peer sends a group it heals: the job's state at the start of this step, as
         local tensors (ranks with the same shard index hold the same slices), staged into host
-        memory, because the transfer reads it while this group trains on. The host buffers are
-        kept from heal to heal (pinned on CUDA), so a heal costs one host copy of a rank's state
-        and no device memory: torchft's HTTP transport serves host tensors as they are (a device
-        tensor it would copy to the host itself, after a device clone of the whole state)."""
+        memory, because the transfer reads it while this group trains on. A heal costs one host
+        copy of a rank's state and no device memory: torchft's HTTP transport serves host tensors
+        as they are (a device tensor it would copy to the host itself, after a device clone of the
+        whole state)."""
+        self.heals_sent += 1
         state = self.staging.stage(self._state())
         self.row[metrics.FT_HEAL_SENT_BYTES] = self.staging.nbytes
         if os.environ.get(HEAL_DIGEST_ENV) == "1":
@@ -219,7 +224,8 @@ def digest(state) -> str:
                 walk(item)
         elif torch.is_tensor(value):
             h.update(str(value.dtype).encode())
-            h.update(value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+            # a copy: numpy() of the tensor itself would make its storage non-resizable (HostStaging.release)
+            h.update(value.detach().cpu().contiguous().view(-1).view(torch.uint8).clone().numpy().tobytes())
         else:
             h.update(repr(value).encode())
 
@@ -233,29 +239,69 @@ def _local(state):
 
 
 class HostStaging:
-    """Host buffers a heal state is copied into, allocated at the first heal and reused by the next
-    ones while the state's structure stays the same (pinned when the state is on CUDA)."""
+    """The host memory a heal state is copied into: one flat buffer of the state's exact size (each tensor
+    at an offset aligned to ALIGN bytes), kept from heal to heal while the state's layout stays the same,
+    and released when the group has no peer to heal. On CUDA it is page-locked with `cudaHostRegister`,
+    as DCP's shared-memory stager does: the caching host allocator behind `pin_memory=True` rounds each
+    block up to a power of two (up to 2x the state) and keeps it for the life of the process."""
 
-    def __init__(self):
-        self.spec, self.buffers, self.nbytes = None, [], 0
+    ALIGN = 64
+
+    def __init__(self, training_stream: torch.cuda.Stream | None):
+        """`training_stream`: the stream the training thread queues its work on (CUDA), else None."""
+        self.training_stream = training_stream
+        self.layout, self.flat, self.buffers, self.nbytes, self.pinned = None, None, [], 0, False
 
     @torch.no_grad()
     def stage(self, state: dict) -> dict:
+        """A copy of `state` in host memory (its tensors in the flat buffer, the rest as they are)."""
         values, spec = tree_flatten(state)
         tensors = [v for v in values if torch.is_tensor(v)]
-        fits = spec == self.spec and all(
-            b.shape == t.shape and b.dtype == t.dtype for b, t in zip(self.buffers, tensors)
-        )
-        if not fits:
-            pinned = any(t.is_cuda for t in tensors)
-            self.buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned) for t in tensors]
-            self.spec, self.nbytes = spec, sum(b.numel() * b.element_size() for b in self.buffers)
+        layout = (spec, [(t.shape, t.dtype) for t in tensors])
+        if layout != self.layout:
+            self.release()
+            self._allocate(tensors)
+            self.layout = layout
+        cuda = self.training_stream is not None and any(t.is_cuda for t in tensors)
+        if cuda:
+            # torchft calls this on its quorum thread, under its recovery stream, while the training thread
+            # waits for the quorum in `start_quorum` (use_async_quorum=False): nothing more is queued on the
+            # training stream, but the last step's kernels (its optimizer step) may still be running there.
+            # So the recovery stream waits for everything queued on it so far before copying ...
+            torch.cuda.current_stream().wait_stream(self.training_stream)
         for buffer, tensor in zip(self.buffers, tensors):
             buffer.copy_(tensor, non_blocking=True)
-        if any(t.is_cuda for t in tensors):
-            torch.cuda.synchronize()
+        if cuda:
+            # ... and the copies are complete before torchft serves the buffers (the training thread queues
+            # no new step until this quorum returns, so nothing writes the state meanwhile)
+            torch.cuda.current_stream().synchronize()
         staged = iter(self.buffers)
         return tree_unflatten([next(staged) if torch.is_tensor(v) else v for v in values], spec)
+
+    def _allocate(self, tensors: list[torch.Tensor]) -> None:
+        offsets, end = [], 0
+        for t in tensors:
+            offsets.append(end)
+            end += -(-t.numel() * t.element_size() // self.ALIGN) * self.ALIGN
+        self.flat = torch.empty(end, dtype=torch.uint8)
+        self.pinned = any(t.is_cuda for t in tensors) and end > 0
+        if self.pinned:
+            torch.cuda.cudart().cudaHostRegister(self.flat.data_ptr(), end, 0)
+        self.buffers = [
+            self.flat[o : o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            for o, t in zip(offsets, tensors)
+        ]
+        self.nbytes = sum(t.numel() * t.element_size() for t in tensors)
+
+    def release(self) -> None:
+        """Free the buffer. torchft's transport keeps the last state it served (views of the buffer) until
+        the next heal, but serves it no more once a commit has passed, so the memory is freed under it."""
+        if self.flat is None:
+            return
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.flat.data_ptr())
+        self.flat.untyped_storage().resize_(0)
+        self.layout, self.flat, self.buffers, self.pinned = None, None, [], False
 
 
 def _in_layout(optim: dict, params: dict) -> dict:
