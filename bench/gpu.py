@@ -5,9 +5,9 @@ the device the ranks use (the GPU when CUDA is visible, else the CPU), for paths
 that train the same model from the same initial weights on the same batches:
 
   harness                 `build_job` + `Trainer` as `run_rank` runs them (checkpoint=none, W&B disabled,
-                          its periodic logging and rank 0's metrics.jsonl included), the config's own
-                          settings: sharding.param_dtype=auto (bf16 compute on CUDA), fused optimizer on
-                          CUDA, train.grad_clip, averager=none. At one rank (the default) a replica is one
+                          rank 0's metrics.jsonl included), the config's own settings:
+                          sharding.param_dtype=auto (bf16 compute on CUDA), fused optimizer on CUDA,
+                          train.grad_clip, averager=none. At one rank (the default) a replica is one
                           device: a plain module, no FSDP2
   minimal FSDP2           FSDP2 applied by hand (bench/reference_loops.py) on the harness's mesh with the same
                           mixed-precision policy, optimizer and data stream; at one rank this is what the
@@ -22,24 +22,38 @@ The data is memory-mapped tokens (`data=tokens`) the bench writes itself into
 its temporary directory, so the batches cost a read, not a generation
 (`--data synthetic` for the synthetic walk instead).
 
-How: ranks start the harness way (in this process for --nproc 1, else the
-harness's own launcher, `harness.launch.start_local_ranks`, with the config's
-start method; bench/harness_runs.py). Each path in turn is built, trained one
-warm-up round (compiling happens there) and `--rounds` rounds of
-`--steps-per-round` steps, each round timed between device synchronize +
-barrier on both ends, then counted over `--count-steps` steps that do not log:
-the aten ops the host dispatches and the host syncs among them
-(`harness.profiling.DispatchCounter`), and on CUDA the device activities
-(kernels, copies) and the host's synchronize calls from torch.profiler. Then the
-path is freed, so that a model that fills the card fits (Llama 3.2 1B at 8 x 2048
-on 140 GB, 4 x 2048 below). Reported: per-path median step time, global
-tokens/s, MFU (tokens/s per device * flops/token / peak), the counts, and the
-ratios against the targets below (GPU targets; on CPU "n/a on CPU").
+How, built so that a crash costs at most the model it happened in and the
+machine stays up (the first GPU runs of the version before this one never came
+back): each model runs in a process of its own, which prints its table as soon
+as it is done, so a crash in Llama leaves the GPT's figures; the bench sets a
+core-dump size of 0 for itself and its children (a crashed CUDA process can dump
+a core as large as its address space). In that process the ranks start the
+harness way (in the process itself for --nproc 1, else the harness's own
+launcher, `harness.launch.start_local_ranks`, with the config's start method;
+bench/harness_runs.py). Each path in turn is built, trained one warm-up round
+(compiling happens there) and `--rounds` rounds of `--steps-per-round` steps,
+each round timed between device synchronize + barrier on both ends; the harness
+logs every `--steps-per-round` + 1 steps and each of its log steps falls between
+two rounds, untimed, so every timed step is a step that does not log. Then
+`--count-steps` more steps (none logs) count the aten ops the host dispatches and
+the host syncs among them (`harness.profiling.DispatchCounter`, no profiler). The
+path is then freed (nothing of it is referenced any more, dynamo's caches are
+reset, CUDA's cache emptied), so that a model that fills the card fits (Llama 3.2
+1B at 8 x 2048 on 140 GB, 4 x 2048 below). Reported: per-path median step time,
+global tokens/s, MFU (tokens/s per device * flops/token / peak), the counts, and
+the ratios against the targets below (GPU targets; on CPU "n/a on CPU").
 
-    python bench/gpu.py [--nproc 1] [--rounds 10] [--steps-per-round 10] [--no-compile]
+`--kernels` (opt-in) also counts, on CUDA, the device activities per step
+(kernels, copies, memsets) and the host's CUDA synchronize calls, from
+torch.profiler: each path in a process of its own, one profiler session in it
+(kineto's CUPTI teardown has known crashes for back-to-back sessions in one
+process: kineto pull requests 1169 and 1554), after the timing runs.
+
+    python bench/gpu.py [--nproc 1] [--rounds 10] [--steps-per-round 10] [--no-compile] [--kernels [PATH,...]]
                         [--compile-backend inductor] [--models gpt,llama3_1b] [--data tokens] [hydra overrides ...]
-    python bench/gpu.py --quick   # on a GPU: GPT and Llama, eager and compiled, few rounds, then pytest -m gpu
-    python bench/gpu.py --smoke   # CPU, 2 ranks, 1 block of each model, 1 measured round of 1 step, eager backend
+    python bench/gpu.py --quick   # on a GPU: GPT and Llama, eager and compiled, few rounds
+    python bench/gpu.py --smoke   # CPU, 2 ranks, 1 block of the GPT, 1 measured round of 1 step, eager backend,
+                                  # the harness path's kernel count (a profiler session of CPU ops on CPU)
 """
 
 from __future__ import annotations
@@ -49,6 +63,7 @@ import contextlib
 import functools
 import gc
 import json
+import resource
 import shlex
 import statistics
 import subprocess
@@ -60,7 +75,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from harness_runs import FSDP2_STRATEGIES, REPO, SMOKE_HELP, check, compose, launch, rank_env
+from harness_runs import FSDP2_STRATEGIES, SMOKE_HELP, check, compose, launch, rank_env
 from omegaconf import DictConfig, OmegaConf, open_dict
 from reference_loops import minimal_fsdp2, plain
 
@@ -68,6 +83,7 @@ from harness.data.shards import FORMAT, INDEX, shard_name, token_dtype
 from harness.dist import resolve_device, synchronize, visible_gpus
 from harness.job import build_job
 from harness.loop import Trainer
+from harness.mesh import build_mesh
 from harness.plan import RunPlan, averager_configured
 from harness.profiling import DispatchCounter
 from harness.sharding import resolve_dtype
@@ -94,15 +110,18 @@ CPU_MODELS = {
     "gpt": ["model=gpt", "model.n_layer=2", "model.d_model=64", "model.n_head=4", *CPU_SIZE],
     "llama": ["model=llama", "model.n_layer=2", "model.d_model=64", "model.n_heads=4", *CPU_SIZE],
 }
-# --smoke: every path on 2 ranks, the tiny models smaller still, compiled paths traced by dynamo with the eager
-# backend (no inductor code generation, which takes minutes on a cold CPU cache)
-SMOKE = ["--nproc", "2", "--rounds", "1", "--steps-per-round", "1", "--count-steps", "1"]
-SMOKE += ["--compile-backend", "eager"]
+PATHS = ("harness", "minimal FSDP2", "plain")
+# --smoke: every path on 2 ranks, the tiny GPT smaller still (the Llama differs in the model alone), compiled paths
+# traced by dynamo with the eager backend (no inductor code generation, which takes minutes on a cold CPU cache),
+# the harness's kernel count
+SMOKE = ["--nproc", "2", "--rounds", "1", "--steps-per-round", "1", "--count-steps", "1", "--models", "gpt"]
+SMOKE += ["--compile-backend", "eager", "--kernels", "harness"]
 SMOKE_OVERRIDES = ["train.device=cpu", "model.n_layer=1", "train.seq_len=32", "train.batch_size=2"]
-# --quick: what whoever has a GPU runs first (docs/gpu.md); under 5 minutes of GPU time on an H100
+# --quick: what whoever has a GPU runs first, after a one-minute smoke of train.py (docs/gpu.md); each model
+# under 3 minutes of GPU time on an H100
 QUICK = ["--rounds", "3", "--steps-per-round", "5", "--count-steps", "3"]
 OVERHEAD_TARGET, PLAIN_TARGET, MFU_TARGET = 1.03, 0.98, 0.45
-COUNTS = ("ops", "host syncs", "kernels", "cuda syncs")  # per step, in the table's order
+COUNTS = ("ops", "host syncs")  # per step, in the table's order
 TOKENS_WRITTEN = 2**22  # per split: enough windows that no path reads one twice in a quick run
 
 
@@ -121,12 +140,19 @@ def model_defaults(args: argparse.Namespace) -> dict[str, list[str]]:
     probe = compose([*fixed_overrides(args), *args.overrides])
     cuda = resolve_device(probe.train.device, visible_gpus()) == "cuda"  # NVML: the parent never inits CUDA
     models = dict(CUDA_MODELS if cuda else CPU_MODELS)
-    if cuda:
-        models["llama3_1b"] = [*models["llama3_1b"], llama_batch()]
     named = [o.split("=", 1)[1] for o in args.overrides if o.startswith("model=")]
     if named:  # another model: its shape keys differ
         return {named[-1]: [d for d in models["gpt"] if not d.startswith("model")]}
-    return {name: models[name] for name in args.models.split(",")} if args.models else models
+    wanted = args.models.split(",") if args.models else list(models)
+    unknown = [name for name in wanted if name not in models]
+    if unknown:
+        raise SystemExit(
+            f"bench/gpu.py: --models {args.models}: {', '.join(unknown)} is not one of this device's models "
+            f"({', '.join(models)}). Fix: --models {','.join(models)}, or a Hydra override model=<name>."
+        )
+    if cuda and "llama3_1b" in wanted:
+        models["llama3_1b"] = [*models["llama3_1b"], llama_batch()]
+    return {name: models[name] for name in wanted}
 
 
 def fixed_overrides(args: argparse.Namespace) -> list[str]:
@@ -151,10 +177,11 @@ def compose_config(args: argparse.Namespace, defaults: list[str], run_dir: Path)
         write_tokens(run_dir / "tokens", cfg.model.vocab_size)
         data = ["data=tokens", f"data.path={run_dir / 'tokens'}"]
         cfg = compose(["sharding=full_shard", *fixed_overrides(args), *defaults, *data, *args.overrides])
-    with open_dict(cfg):  # the harness trains every round, to its next log step, and the counted steps (twice)
-        cfg.train.steps = (args.rounds + 1) * args.steps_per_round + cfg.train.log_every + 2 * args.count_steps + 1
-    if 2 * args.count_steps >= cfg.train.log_every:
-        raise SystemExit(f"bench/gpu.py: --count-steps must be below train.log_every / 2 = {cfg.train.log_every / 2}")
+    with open_dict(cfg):
+        # the harness logs once between two timed rounds; it trains the warm-up and the timed rounds, each
+        # after a log step, then to the next log step and the counted steps
+        cfg.train.log_every = args.steps_per_round + 1
+        cfg.train.steps = (args.rounds + 2) * cfg.train.log_every + args.count_steps + 1
     plan = check(cfg, args.nproc, run_dir)
     if cfg.sharding.strategy not in FSDP2_STRATEGIES or averager_configured(cfg):
         raise SystemExit(
@@ -165,102 +192,111 @@ def compose_config(args: argparse.Namespace, defaults: list[str], run_dir: Path)
     return cfg, plan
 
 
-def harness_path(cfg, env, plan: RunPlan, run_dir: Path, compiled: bool, stack: contextlib.ExitStack):
-    """The harness's own assembly and loop (`build_job` + `Trainer`, as `run_rank` runs them, rank 0 writing
-    metrics.jsonl into `run_dir`); `steps(n)` trains n more steps, `to_log_step()` to the next log step."""
-    cfg = OmegaConf.merge(cfg, {"train": {"compile": compiled}})
-    run_dir.mkdir(parents=True, exist_ok=True)
-    job = build_job(cfg, env, plan)
-    trainer = stack.enter_context(Trainer(job, cfg, env, run_dir))  # checkpoint=none: only its per-step checks
+def build_path(name: str, compiled: bool, cfg, env, plan: RunPlan, run_dir: Path, stack: contextlib.ExitStack):
+    """Path `name`, built: (`steps(n)`: train n steps, `to_log_step()`: untimed, through the harness's next
+    log step, what the table says of the path). Everything it holds lives in `stack`'s scope and the returned
+    closures, so that it is freed with them."""
+    if name == "harness":
+        cfg = OmegaConf.merge(cfg, {"train": {"compile": compiled}})
+        path_dir = run_dir / f"harness{'+compile' * compiled}"
+        path_dir.mkdir(parents=True, exist_ok=True)
+        job = build_job(cfg, env, plan)
+        trainer = stack.enter_context(Trainer(job, cfg, env, path_dir))  # checkpoint=none: only its per-step checks
 
-    def steps(n: int) -> None:
-        trainer.run(until=trainer.state.step + n)
+        def steps(n: int) -> None:
+            trainer.run(until=trainer.state.step + n)
 
-    def to_log_step() -> None:
-        steps(-trainer.state.step % cfg.train.log_every)
+        def to_log_step() -> None:
+            steps(-trainer.state.step % cfg.train.log_every)
 
-    return job, steps, to_log_step
+        info = {
+            "mesh": dict(zip(job.mesh.mesh_dim_names, job.mesh.shape)),
+            "flops_per_token": job.flops_per_token,
+            "one_device": job.mesh["shard"].size() == 1,
+            "fused": getattr(job.optimizer, "defaults", {}).get("fused"),
+        }
+        return steps, to_log_step, info
+    if name == "minimal FSDP2":
+        _, steps = minimal_fsdp2(cfg, build_mesh(plan.replicate, plan.shard, env.device.type), env, compiled)
+    else:
+        _, steps = plain(cfg, env, compiled)
+    return steps, lambda: None, {}
 
 
-def count_host_work(steps, n: int, device: torch.device) -> dict:
-    """Per step of `steps(n)`: aten ops dispatched and host syncs (`DispatchCounter`); on CUDA also the
-    device activities (kernels, copies, memsets) and the host's CUDA synchronize calls, from torch.profiler."""
-    synchronize(device)
-    with DispatchCounter() as counter:
-        steps(n)
-    counts = {"ops": counter.total / n, "host syncs": counter.host_syncs / n}
+def measure_path(name: str, compiled: bool, cfg, env, plan, run_dir, args) -> dict:
+    """A path's round times (round 0, the warm-up, first) and host counts, and what the table says of it;
+    the path itself is gone when this returns."""
+    with contextlib.ExitStack() as stack:
+        steps, to_log_step, info = build_path(name, compiled, cfg, env, plan, run_dir, stack)
+        times = []
+        for _ in range(args.rounds + 1):
+            to_log_step()  # the harness's log step falls between rounds, untimed
+            synchronize(env.device)
+            dist.barrier()
+            start = time.perf_counter()
+            steps(args.steps_per_round)
+            synchronize(env.device)
+            dist.barrier()
+            times.append((time.perf_counter() - start) / args.steps_per_round)
+        to_log_step()  # counted steps must not log
+        synchronize(env.device)
+        with DispatchCounter() as counter:
+            steps(args.count_steps)
+        counts = {"ops": counter.total / args.count_steps, "host syncs": counter.host_syncs / args.count_steps}
+    return {"times": times, "counts": counts, **info}
+
+
+def free(device: torch.device) -> None:
+    """After a path: its Python objects, dynamo's compiled code and guards, the CUDA allocator's cached blocks."""
+    gc.collect()
+    torch._dynamo.reset()
     if device.type == "cuda":
-        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        torch.cuda.empty_cache()
+
+
+def count_kernels(name: str, compiled: bool, cfg, env, plan, run_dir, args) -> dict:
+    """Per step that does not log, of path `name` after a warm-up round: the device activities (kernels,
+    copies, memsets) and the host's CUDA synchronize calls, from one torch.profiler session."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if env.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with contextlib.ExitStack() as stack:
+        steps, to_log_step, _ = build_path(name, compiled, cfg, env, plan, run_dir, stack)
+        steps(args.steps_per_round)
+        to_log_step()
+        synchronize(env.device)
         with torch.profiler.profile(activities=activities) as profiler:
-            steps(n)
-            synchronize(device)
+            steps(args.count_steps)
+            synchronize(env.device)
         events = profiler.events()
-        counts["kernels"] = sum(e.device_type == torch.autograd.DeviceType.CUDA for e in events) / n
+        kernels = sum(e.device_type == torch.autograd.DeviceType.CUDA for e in events) / args.count_steps
         # the host's synchronize calls, but the one that closes the window above
-        counts["cuda syncs"] = (sum("Synchronize" in e.name for e in events) - 1) / n
-    return counts
+        syncs = (sum("Synchronize" in e.name for e in events) - (env.device.type == "cuda")) / args.count_steps
+    return {"kernels": kernels, "cuda syncs": syncs}
 
 
-def measure(steps, rounds: int, steps_per_round: int, device: torch.device) -> list[float]:
-    """Seconds per step of each round; round 0 (compiling) included, first."""
-    times = []
-    for _ in range(rounds):
-        synchronize(device)
-        dist.barrier()
-        start = time.perf_counter()
-        steps(steps_per_round)
-        synchronize(device)
-        dist.barrier()
-        times.append((time.perf_counter() - start) / steps_per_round)
-    return times
-
-
-def worker(
-    cfg: DictConfig,
-    run_dir: Path,
-    plan: RunPlan,
-    rounds: int,
-    steps_per_round: int,
-    count_steps: int,
-    compiled: bool,
-    compile_backend: str,
-    command: str,
-) -> None:
-    if compile_backend != "inductor":  # every torch.compile of this rank (nn.Module.compile's too) uses it
-        torch.compile = functools.partial(torch.compile, backend=compile_backend)
-    # the harness logs as under train.py; that cost is measured too
+def worker(cfg: DictConfig, run_dir: Path, plan: RunPlan, args: argparse.Namespace, command: str) -> None:
+    if args.compile_backend != "inductor":  # every torch.compile of this rank (nn.Module.compile's too) uses it
+        torch.compile = functools.partial(torch.compile, backend=args.compile_backend)
+    runs = [("", False)] + ([] if args.no_compile else [("+compile", True)])
+    # the harness logs as under train.py; its log steps fall outside the timed rounds
     with rank_env(cfg, run_dir) as env:
-        results, job_info = {}, None
-        for suffix, comp in [("", False)] + ([("+compile", True)] if compiled else []):
-            for name in ("harness", "minimal FSDP2", "plain"):
-                with contextlib.ExitStack() as stack:
-                    if name == "harness":
-                        path_dir = run_dir / f"harness{suffix}"
-                        job, steps, to_log_step = harness_path(cfg, env, plan, path_dir, comp, stack)
-                        mesh = job.mesh
-                        fused = getattr(job.optimizer, "defaults", {}).get("fused")
-                        job_info = job_info or (job.mesh, job.flops_per_token, one_device(job), fused)
-                    elif name == "minimal FSDP2":
-                        _, steps = minimal_fsdp2(cfg, mesh, env, comp)
-                    else:
-                        _, steps = plain(cfg, env, comp)
-                    times = measure(steps, rounds, steps_per_round, env.device)
-                    if name == "harness":
-                        to_log_step()  # counted steps must not log
-                    results[name + suffix] = (times, count_host_work(steps, count_steps, env.device))
-                    del steps
-                    if name == "harness":
-                        del job
-                gc.collect()  # free the path before the next one is built
-                if env.device.type == "cuda":
-                    torch.cuda.empty_cache()
+        if args.kernels_of:
+            name, _, suffix = args.kernels_of.partition("+")
+            counts = count_kernels(name, bool(suffix), cfg, env, plan, run_dir, args)
+            if env.is_main:
+                cells = ", ".join(f"{v:.1f} {k}" for k, v in counts.items())
+                print(f"{args.kernels_of:<22} per step that does not log: {cells}", flush=True)
+            dist.barrier()
+            return
+        results = {}
+        for suffix, compiled in runs:
+            for name in PATHS:
+                results[name + suffix] = measure_path(name, compiled, cfg, env, plan, run_dir, args)
+                free(env.device)
         if env.is_main:
-            report(cfg, env, results, job_info, steps_per_round, command, compile_backend)
+            report(cfg, env, results, args.steps_per_round, command, args.compile_backend)
         dist.barrier()  # no rank tears down while rank 0 still reports
-
-
-def one_device(job) -> bool:
-    return job.mesh["shard"].size() == 1
 
 
 def median_ratio(a: list[float], b: list[float]) -> float:
@@ -268,8 +304,9 @@ def median_ratio(a: list[float], b: list[float]) -> float:
     return statistics.median(x / y for x, y in zip(a[1:], b[1:]))
 
 
-def report(cfg, env, results, job_info, steps_per_round, command, compile_backend) -> None:
-    mesh, flops_per_token, one_dev, fused = job_info
+def report(cfg, env, results, steps_per_round, command, compile_backend) -> None:
+    harness = results["harness"]
+    mesh, flops_per_token, one_dev, fused = (harness[k] for k in ("mesh", "flops_per_token", "one_device", "fused"))
     gpu = env.device.type == "cuda"
     peak = peak_flops(env.device, cfg.train.peak_tflops)
     device_name = torch.cuda.get_device_name() if gpu else f"cpu, {torch.get_num_threads()} thread(s)"
@@ -281,26 +318,26 @@ def report(cfg, env, results, job_info, steps_per_round, command, compile_backen
     print(f"torch:    {torch.__version__}, backend {dist.get_backend()}")
     print(f"device:   {device_name}; peak {'n/a' if peak is None else f'{peak / 1e12:.0f} TFLOP/s'} per device")
     layout = "one-device replica (plain module)" if one_dev else "FSDP2"
-    print(f"nproc:    {env.world_size}, mesh {dict(zip(mesh.mesh_dim_names, mesh.shape))}: the harness runs {layout}")
+    print(f"nproc:    {env.world_size}, mesh {mesh}: the harness runs {layout}")
     print(f"model:    {', '.join(f'{k}={v}' for k, v in cfg.model.items())}, {flops_per_token / 1e6:.1f} MFLOP/token")
     print(
         f"setup:    sharding={cfg.sharding.strategy}, compute {str(dtype)[6:]}, reduce {str(reduce)[6:]}, "
         f"{opt._target_.rsplit('.', 1)[-1]} lr={opt.lr} wd={opt.weight_decay} "
         f"fused={fused}, "
         f"grad_clip={cfg.train.grad_clip}, batch {cfg.train.batch_size}x{cfg.train.seq_len} per rank, "
-        f"data={cfg.data._target_}, log_every={cfg.train.log_every}"
+        f"data={cfg.data._target_}, log_every={cfg.train.log_every} (between rounds, untimed)"
     )
-    rounds = len(next(iter(results.values()))[0])
+    rounds = len(harness["times"])
     print(f"rounds:   {rounds} x {steps_per_round} steps per path, one path at a time, round 0 = warm-up\n")
-    counted = [k for k in COUNTS if any(k in counts for _, counts in results.values())]
-    header = "".join(f"{k + '/step':>17}" for k in counted)
+    header = "".join(f"{k + '/step':>17}" for k in COUNTS)
     print(f"{'path':<22} {'ms/step':>9} {'tokens/s':>11} {'MFU':>6}{header}   per-round ms/step")
     medians, mfu = {}, {}
-    for name, (times, counts) in results.items():
+    for name, result in results.items():
+        times, counts = result["times"], result["counts"]
         medians[name] = statistics.median(times[1:])
         tps = tokens_per_step / medians[name]
         mfu[name] = None if peak is None else tps / env.world_size * flops_per_token / peak
-        cells = "".join(f"{counts.get(k, float('nan')):>17.1f}" for k in counted)
+        cells = "".join(f"{counts[k]:>17.1f}" for k in COUNTS)
         rounds_ms = " ".join(f"{x * 1e3:.1f}" for x in times)
         mfu_cell = "n/a" if mfu[name] is None else f"{mfu[name]:.3f}"
         print(f"{name:<22} {medians[name] * 1e3:>9.2f} {tps:>11,.0f} {mfu_cell:>6}{cells}   {rounds_ms}")
@@ -312,18 +349,18 @@ def report(cfg, env, results, job_info, steps_per_round, command, compile_backen
     compiled = "harness+compile" in results
     for suffix in ["", "+compile"] if compiled else [""]:
         kind = "compiled" if suffix else "eager"
-        ratio = median_ratio(results["plain" + suffix][0], results["harness" + suffix][0])
+        ratio = median_ratio(results["plain" + suffix]["times"], results["harness" + suffix]["times"])
         print(
             f"harness / plain throughput ({kind}): {ratio:.3f}, target >= {PLAIN_TARGET} "
             f"{verdict(ratio >= PLAIN_TARGET, 'BELOW TARGET')}"
         )
         if not one_dev:  # the harness runs FSDP2: against FSDP2 by hand, identical settings
-            ratio = median_ratio(results["harness" + suffix][0], results["minimal FSDP2" + suffix][0])
+            ratio = median_ratio(results["harness" + suffix]["times"], results["minimal FSDP2" + suffix]["times"])
             print(
                 f"harness / minimal FSDP2 step time ({kind}): {ratio:.3f}, target <= {OVERHEAD_TARGET} "
                 f"{verdict(ratio <= OVERHEAD_TARGET, 'ABOVE TARGET')}"
             )
-    syncs = results["harness"][1]["host syncs"]
+    syncs = harness["counts"]["host syncs"]
     print(f"harness host syncs per step that does not log: {syncs:g}, target 0 {'ok' if syncs == 0 else 'ABOVE'}")
     if compiled:
         speedup = medians["harness"] / medians["harness+compile"]
@@ -333,12 +370,26 @@ def report(cfg, env, results, job_info, steps_per_round, command, compile_backen
             print(f"harness+compile MFU: {value:.3f} (target >= {MFU_TARGET} for Llama 3.2 1B)")
         if compile_backend != "inductor":
             print(f"compiled paths: torch.compile backend={compile_backend} (not inductor): their times are no figures")
+    sys.stdout.flush()
 
 
-def run_gpu_tests() -> int:
-    """`pytest -m gpu` (tests/test_cuda.py), as the quick form's last part."""
-    print("## pytest -m gpu", flush=True)
-    return subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-n", "0"], cwd=REPO).returncode
+def run_model(args: argparse.Namespace, command: str) -> None:
+    """This process's part: the model `--only` names (its table), or one path's kernels (`--kernels-of`)."""
+    defaults = model_defaults(args)[args.only]
+    with tempfile.TemporaryDirectory(prefix="harness-bench-gpu-") as tmp:
+        run_dir = Path(tmp)
+        cfg, plan = compose_config(args, defaults, run_dir)
+        launch(cfg, run_dir, plan, worker, args, command)  # one rank in this process, as `python train.py` runs it
+
+
+def kernel_paths(args: argparse.Namespace) -> list[str]:
+    """The paths whose kernels `--kernels` asks for (all of them when it names none)."""
+    every = [name + suffix for suffix in ["", "+compile"][: 1 if args.no_compile else 2] for name in PATHS]
+    wanted = every if args.kernels == "all" else args.kernels.split(",")
+    unknown = [name for name in wanted if name not in every]
+    if unknown:
+        raise SystemExit(f"bench/gpu.py: --kernels {args.kernels}: no path {', '.join(unknown)} (paths: {every})")
+    return wanted
 
 
 def main() -> None:
@@ -355,8 +406,18 @@ def main() -> None:
         "--models", default=None, help="comma-separated, of the device's set (GPU: gpt,llama3_1b; CPU: gpt,llama)"
     )
     parser.add_argument("--data", choices=("tokens", "synthetic"), default="tokens", help="what the paths read")
-    parser.add_argument("--quick", action="store_true", help=f"the first run on a GPU: {' '.join(QUICK)}, then -m gpu")
+    parser.add_argument(
+        "--kernels",
+        nargs="?",
+        const="all",
+        default=None,
+        help="also count device activities per step with torch.profiler, each path in a process of its own "
+        "(comma-separated paths, default all)",
+    )
+    parser.add_argument("--quick", action="store_true", help=f"the first bench on a GPU: {' '.join(QUICK)}")
     parser.add_argument("--smoke", action="store_true", help=f"{SMOKE_HELP}: {' '.join(SMOKE + SMOKE_OVERRIDES)}")
+    parser.add_argument("--only", help=argparse.SUPPRESS)  # the model this process measures (set by the bench)
+    parser.add_argument("--kernels-of", help=argparse.SUPPRESS)  # the path this process counts (set by the bench)
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides, applied last, e.g. train.batch_size=8")
     args = parser.parse_args()
     if args.smoke:
@@ -367,16 +428,29 @@ def main() -> None:
     if args.nproc < 1 or args.rounds < 1 or args.steps_per_round < 1 or args.count_steps < 1:
         parser.error("need --nproc, --rounds, --steps-per-round and --count-steps >= 1")
     command = shlex.join(["python", *sys.argv])
-    for name, defaults in model_defaults(args).items():
+    if args.only:
+        run_model(args, command)
+        return
+    # a crashed CUDA process (or rank) dumps no core: it could be as large as its address space and fill the disk
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    paths = kernel_paths(args) if args.kernels else []
+    failed = []
+
+    def child(*extra: str) -> None:
+        """This bench in a process of its own, for one model's table or one path's kernels."""
+        code = subprocess.run([sys.executable, __file__, *sys.argv[1:], *extra]).returncode
+        if code != 0:
+            failed.append(f"{' '.join(extra[1::2])} (exit {code})")
+
+    for name in model_defaults(args):
         print(f"## {name}", flush=True)
-        with tempfile.TemporaryDirectory(prefix="harness-bench-gpu-") as tmp:
-            run_dir = Path(tmp)
-            cfg, plan = compose_config(args, defaults, run_dir)
-            rank_args = (args.rounds + 1, args.steps_per_round, args.count_steps)
-            rank_args += (not args.no_compile, args.compile_backend, command)
-            launch(cfg, run_dir, plan, worker, *rank_args)  # one rank in this process, as `python train.py` runs it
-    if args.quick and run_gpu_tests() != 0:
-        raise SystemExit("bench/gpu.py --quick: pytest -m gpu failed")
+        child("--only", name)
+        if paths:
+            print(f"\nkernels ({name}), each path in a process of its own:", flush=True)
+        for path in paths:
+            child("--only", name, "--kernels-of", path)
+    if failed:
+        raise SystemExit(f"bench/gpu.py: failed: {'; '.join(failed)} (the other figures above stand)")
     print("bench/gpu.py: done")
 
 

@@ -135,6 +135,7 @@ class ProfileConf:
     warmup: int = 2  # steps traced and dropped: the profiler's own warm-up
     active: int = 3  # steps recorded into each trace
     repeat: int = 1  # windows of wait + warmup + active recorded; 0 = until the run ends
+    keep: int = 5  # newest windows' traces and tables kept per rank (older ones deleted: repeat=0 fills no disk)
     memory_snapshot: bool = False  # CUDA: the allocator's history up to the first window's end (memory_viz)
 
 

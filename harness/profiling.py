@@ -50,16 +50,19 @@ class StepProfiler:
     cycles, 0 = until the run ends), as torchtitan's profiling section does. Each
     recorded window leaves, per rank, in `<run dir>/profile/`: a trace
     (`rank<N>.<time>.pt.trace.json`, for Perfetto or TensorBoard's profiler) and
-    the ops by self device time (`rank<N>_step<S>.txt`); with `memory_snapshot`
-    (CUDA), the allocator's history over the first window
-    (`rank<N>_memory.pickle`, for pytorch.org/memory_viz)."""
+    the ops by self device time (`rank<N>_step<S>.txt`), the newest `keep`
+    windows' only (a trace is tens of MB: `repeat=0` on a long run would fill a
+    disk); with `memory_snapshot` (CUDA), the allocator's history over the first
+    window (`rank<N>_memory.pickle`, for pytorch.org/memory_viz), with the Python
+    stack of each allocation (C++ stacks take minutes and gigabytes to
+    symbolize when the snapshot is written)."""
 
     def __init__(self, cfg, run_dir: Path, rank: int, device: torch.device):
-        self.dir, self.rank, self.device = run_dir / "profile", rank, device
+        self.dir, self.rank, self.device, self.keep = run_dir / "profile", rank, device, cfg.keep
         self.dir.mkdir(parents=True, exist_ok=True)
         self.memory = cfg.memory_snapshot and device.type == "cuda"
         if self.memory:
-            torch.cuda.memory._record_memory_history(max_entries=200_000)
+            torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         schedule = torch.profiler.schedule(wait=cfg.wait, warmup=cfg.warmup, active=cfg.active, repeat=cfg.repeat)
         self.profiler = torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=self._save)
@@ -81,6 +84,9 @@ class StepProfiler:
         sort = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
         table = profiler.key_averages().table(sort_by=sort, row_limit=30)
         (self.dir / f"rank{self.rank}_step{self.step_count}.txt").write_text(table + "\n")
+        for pattern in (f"rank{self.rank}.*.pt.trace.json", f"rank{self.rank}_step*.txt"):
+            for old in sorted(self.dir.glob(pattern), key=lambda p: (p.stat().st_mtime_ns, p.name))[: -self.keep]:
+                old.unlink()
         if self.memory:
             torch.cuda.memory._dump_snapshot(str(self.dir / f"rank{self.rank}_memory.pickle"))
             torch.cuda.memory._record_memory_history(enabled=None)

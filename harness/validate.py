@@ -145,7 +145,7 @@ def _check_train(cfg: DictConfig, world_size: int, gpus: int, local_world_size: 
 def _check_profile(cfg: DictConfig, gpus: int) -> list[str]:
     profile = cfg.train.profile
     errors = []
-    for key, minimum in (("wait", 0), ("warmup", 0), ("active", 1), ("repeat", 0)):
+    for key, minimum in (("wait", 0), ("warmup", 0), ("active", 1), ("repeat", 0), ("keep", 1)):
         errors += _at_least(cfg, f"train.profile.{key}", minimum, f"train.profile.{key}={max(minimum, 1)}")
     if profile.memory_snapshot and resolve_device(cfg.train.device, gpus) != "cuda":
         errors.append(

@@ -291,18 +291,19 @@ def test_ddp_computes_in_the_configured_dtype_under_autocast(tmp_path, cli_env):
 
 @pytest.mark.slow
 def test_profile_writes_a_trace_and_an_op_table_per_rank_for_the_steps_its_schedule_picks(tmp_path, cli_env):
-    """train.profile: skip 2 steps, warm up 1, record 2, twice (repeat=2): each of the 2 ranks leaves two
-    traces Perfetto reads (Chrome trace JSON) holding the training steps' ops, and two tables."""
+    """train.profile: skip 2 steps, warm up 1, record 2, until the run ends (repeat=0), keeping the newest
+    window (keep=1): each of the 2 ranks records windows ending at steps 5 and 10 and leaves the second's
+    trace, which Perfetto reads (Chrome trace JSON) and which holds the training steps' ops, and its table."""
     profile = ["train.profile.enabled=true", "train.profile.wait=2", "train.profile.warmup=1"]
-    profile += ["train.profile.active=2", "train.profile.repeat=2"]
+    profile += ["train.profile.active=2", "train.profile.repeat=0", "train.profile.keep=1"]
     check_ok(run_cli([*FAST, *profile, "train.steps=12", "hydra.run.dir=run"], cli_env, tmp_path))
     out = tmp_path / "run" / "profile"
     for rank in (0, 1):
         traces = sorted(out.glob(f"rank{rank}.*.pt.trace.json"))
-        assert len(traces) == 2, sorted(p.name for p in out.iterdir())
+        assert len(traces) == 1, sorted(p.name for p in out.iterdir())
         events = json.loads(traces[0].read_text())["traceEvents"]
         assert sum(e.get("name", "").startswith("ProfilerStep#") for e in events) == 2
         assert any(e.get("name") == "aten::mm" for e in events)
         tables = sorted(p.name for p in out.glob(f"rank{rank}_step*.txt"))
-        assert tables == [f"rank{rank}_step10.txt", f"rank{rank}_step5.txt"]
+        assert tables == [f"rank{rank}_step10.txt"]
         assert "Self CPU" in (out / tables[0]).read_text()
