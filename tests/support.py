@@ -249,3 +249,62 @@ def check_rank_config(cfg, run_dir, plan) -> None:
     except ConfigAttributeError:
         return
     raise AssertionError("reading the misspelled cfg.train.stepz did not fail")
+
+
+# the optimizers of conf/optimizer/, as `skipped_step_against_a_run_without_it` builds them
+OPTIMIZERS = {
+    "sgd": (torch.optim.SGD, {}),
+    "sgd momentum": (torch.optim.SGD, {"momentum": 0.9, "weight_decay": 0.1}),
+    "adam": (torch.optim.Adam, {}),
+    "adamw": (torch.optim.AdamW, {"weight_decay": 0.1}),
+}
+
+
+def snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Parameters and every optimizer state value, copied, by name."""
+    state = {f"param {i}": p.detach().clone() for i, p in enumerate(model.parameters())}
+    for i, values in enumerate(optimizer.state.values()):
+        state.update({f"state {i} {k}": v.clone() for k, v in values.items()})
+    return state
+
+
+def skipped_step_against_a_run_without_it(name: str, fused: bool, bad_step: int, bad: str, device) -> None:
+    """`train.nonfinite=skip` through the loop's own calls (`NonFiniteGuard.backward`, the norm, `check`,
+    the step), for optimizer `name` on `device`: step `bad_step` has NaN gradients or an infinite loss
+    (`bad`); it must leave every tensor as it was, and the next step must equal that of a run without it."""
+    from harness.nonfinite import NonFiniteGuard
+    from harness.optim import clip_grad_norm_
+
+    cls, hyper = OPTIMIZERS[name]
+    torch.manual_seed(0)
+    batches = [torch.randn(6, 4, device=device) for _ in range(4)]
+
+    def train(skip_bad: bool) -> list[dict]:
+        """The state before the first step, then after each step taken."""
+        torch.manual_seed(1)
+        model = torch.nn.Linear(4, 3).to(device)
+        optimizer = cls(model.parameters(), lr=0.1, fused=fused or None, **hyper)
+        guard = NonFiniteGuard("skip", optimizer, device, log_every=10, steps_in_backward=False)
+        assert guard.on_device == fused
+        states = [snapshot(model, optimizer)]
+        for step, x in enumerate(batches, start=1):
+            if step == bad_step and skip_bad:
+                continue
+            loss = model(x).square().mean()
+            if step == bad_step:
+                loss = loss * torch.tensor(float("nan"), device=device) if bad == "gradient" else loss + float("inf")
+            guard.backward(loss)
+            norm = clip_grad_norm_(model.parameters(), 1.0)
+            if guard.check(step, loss, norm):
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            states.append(snapshot(model, optimizer))
+        if fused and not skip_bad:
+            assert guard.report(len(batches)) == {"train/skipped_nonfinite": 1}
+        return states
+
+    seen, never = train(skip_bad=False), train(skip_bad=True)
+    for got, expected in [(seen[bad_step], seen[bad_step - 1]), (seen[bad_step + 1], never[bad_step])]:
+        assert got.keys() == expected.keys()
+        differ = [key for key in got if not torch.equal(got[key], expected[key])]
+        assert not differ, (name, fused, bad_step, bad, differ)

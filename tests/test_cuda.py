@@ -1,15 +1,28 @@
 """The GPU path on a real GPU: self-launch, consecutive async saves and resume,
-per-block compile, ddp in bf16. Skipped without CUDA (CI has none); run them on
+per-block compile, ddp in bf16, a skipped fused step, a one-GPU replica's
+gradient buckets on NCCL. Skipped without CUDA (CI has none); run them on
 a GPU machine with `python -m pytest -m gpu`."""
 
 from __future__ import annotations
 
+import copy
+import itertools
 import json
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from support import FAST, REPO, check_ok, losses, read_metrics, run_cli
+from support import (
+    FAST,
+    OPTIMIZERS,
+    REPO,
+    check_ok,
+    losses,
+    read_metrics,
+    run_cli,
+    skipped_step_against_a_run_without_it,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -160,3 +173,37 @@ def test_a_step_that_does_not_log_reads_nothing_back_from_the_gpu(tmp_path, cli_
     check_ok(run_cli(args, cli_env, tmp_path, torchrun_nproc=1, script=probe))
     counts = json.loads(out.read_text())
     assert [c["host_syncs"] for c in counts["ranks"][0]] == [0] * len(counts["steps"])
+
+
+def test_a_skipped_fused_step_on_the_gpu_leaves_every_tensor_as_it_was(world_of_1):
+    """tests/test_gpu_path.py's skipped step with the fused CUDA kernels: fused SGD's first step allocates
+    its momentum with `empty_like` on the device, where the memory holds whatever it held."""
+    for name, bad_step, bad in itertools.product(OPTIMIZERS, (1, 3), ("gradient", "loss")):
+        skipped_step_against_a_run_without_it(name, True, bad_step, bad, torch.device("cuda"))
+
+
+def test_a_one_gpu_replicas_gradient_buckets_go_through_nccl_and_come_back():
+    """GradientReduction on CUDA with a real NCCL all-reduce (a world of one): each bucket is copied in on
+    the stream backward ran on, all-reduced on NCCL's, and waited for by the stream that copies it back,
+    so every gradient comes back as autograd's in reduce_dtype, bit for bit, on every step."""
+    from harness.averaging import CrossReplicaTraffic, GradientReduction
+    from harness.averaging.hooks import reduce_over_replicas
+    from harness.averaging.link import MeshLink
+
+    device = torch.device("cuda", 0)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(6)]).to(device)
+        reference = copy.deepcopy(model)
+        reduction = GradientReduction(model, torch.bfloat16, bucket_bytes=2**20)  # 2 layers a bucket
+        reduce_over_replicas(model, reduction, MeshLink(dist.group.WORLD), CrossReplicaTraffic())
+        for _ in range(3):
+            inputs = torch.randn(64, 512, device=device)
+            for m in (model, reference):
+                m.zero_grad(set_to_none=True)
+                m(inputs).square().mean().backward()
+            for mine, theirs in zip(model.parameters(), reference.parameters()):
+                assert torch.equal(mine.grad, theirs.grad.bfloat16().float())
+    finally:
+        dist.destroy_process_group()

@@ -22,7 +22,7 @@ from harness.nonfinite import MAX_UNREPORTED, NonFiniteGuard
 from harness.optim import build_optimizer, clip_grad_norm_
 from harness.throughput import peak_flops
 
-from support import FAST, check_ok, losses, read_metrics, run_cli
+from support import FAST, OPTIMIZERS, check_ok, losses, read_metrics, run_cli, skipped_step_against_a_run_without_it
 
 CPU = torch.device("cpu")
 
@@ -62,22 +62,6 @@ def test_clip_grad_norm_matches_torch(scale, max_norm):
         assert torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in ours])).item() <= max_norm * (1 + 1e-5)
 
 
-OPTIMIZERS = {
-    "sgd": (torch.optim.SGD, {}),
-    "sgd momentum": (torch.optim.SGD, {"momentum": 0.9, "weight_decay": 0.1}),
-    "adam": (torch.optim.Adam, {}),
-    "adamw": (torch.optim.AdamW, {"weight_decay": 0.1}),
-}
-
-
-def snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """Parameters and every optimizer state value, copied, by name."""
-    state = {f"param {i}": p.detach().clone() for i, p in enumerate(model.parameters())}
-    for i, values in enumerate(optimizer.state.values()):
-        state.update({f"state {i} {k}": v.clone() for k, v in values.items()})
-    return state
-
-
 @pytest.mark.parametrize("bad", ["gradient", "loss"], ids=["NaN gradients", "inf loss, finite gradients"])
 @pytest.mark.parametrize("bad_step", [1, 3], ids=["first step", "later step"])
 @pytest.mark.parametrize("fused", [False, True], ids=["checked on the host", "skipped on the device"])
@@ -88,40 +72,9 @@ def test_a_skipped_step_leaves_every_tensor_as_it_was_and_the_next_is_a_run_with
     """`train.nonfinite=skip` through the loop's own calls (`NonFiniteGuard.backward`, the norm,
     `check`, the step): the bad step leaves parameters and every optimizer state tensor bit for bit as
     they were (no state at all where it was the first: fused SGD's momentum comes from `empty_like`),
-    and the next step equals that of a run that never saw the bad batch."""
-    cls, hyper = OPTIMIZERS[name]
-    torch.manual_seed(0)
-    batches = [torch.randn(6, 4) for _ in range(4)]
-
-    def train(skip_bad: bool) -> list[dict]:
-        """The state before the first step, then after each step taken."""
-        torch.manual_seed(1)
-        model = torch.nn.Linear(4, 3)
-        optimizer = cls(model.parameters(), lr=0.1, fused=fused or None, **hyper)
-        guard = NonFiniteGuard("skip", optimizer, CPU, log_every=10, steps_in_backward=False)
-        assert guard.on_device == fused
-        states = [snapshot(model, optimizer)]
-        for step, x in enumerate(batches, start=1):
-            if step == bad_step and skip_bad:
-                continue
-            loss = model(x).square().mean()
-            if step == bad_step:
-                loss = loss * torch.tensor(float("nan")) if bad == "gradient" else loss + float("inf")
-            guard.backward(loss)
-            norm = clip_grad_norm_(model.parameters(), 1.0)
-            if guard.check(step, loss, norm):
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            states.append(snapshot(model, optimizer))
-        if fused and not skip_bad:
-            assert guard.report(len(batches)) == {"train/skipped_nonfinite": 1}
-        return states
-
-    seen, never = train(skip_bad=False), train(skip_bad=True)
-    for got, expected in [(seen[bad_step], seen[bad_step - 1]), (seen[bad_step + 1], never[bad_step])]:
-        assert got.keys() == expected.keys()
-        differ = [key for key in got if not torch.equal(got[key], expected[key])]
-        assert not differ, differ
+    and the next step equals that of a run that never saw the bad batch. tests/test_cuda.py runs the
+    fused cases on a GPU."""
+    skipped_step_against_a_run_without_it(name, fused, bad_step, bad, CPU)
 
 
 def test_the_device_flags_are_bounded_and_read_when_full(world_of_1):
