@@ -556,6 +556,19 @@ def test_a_one_device_replicas_gradients_reach_the_hook_once_in_buckets(bucket_b
         assert sum(n for n, _ in seen) == sum(p.numel() for p in model.parameters())
         for mine, theirs in zip(model.parameters(), reference.parameters()):
             assert torch.equal(mine.grad, -2 * theirs.grad)
+    # two micro-batches: the first only accumulates (no mean, the buffers kept), the last reduces the sum
+    buffers = [bucket.flat for bucket in reduction.buckets or []]
+    model.zero_grad(set_to_none=True)
+    seen.clear()
+    reduction.set_requires_gradient_sync(False)
+    model(inputs).square().sum().backward()
+    kept = [bucket.flat for bucket in reduction.buckets or []]
+    assert seen == [] and len(kept) == len(buffers) and all(a is b for a, b in zip(buffers, kept))
+    reduction.set_requires_gradient_sync(True)
+    model(inputs).square().sum().backward()
+    assert len(seen) == calls
+    for mine, theirs in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(mine.grad, -2 * (theirs.grad + theirs.grad))
 
 
 # bucket_bytes in bf16: the last layer's 2 tensors, then one each (the first bucket is in flight when backward

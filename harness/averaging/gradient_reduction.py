@@ -88,11 +88,13 @@ class GradientReduction:
             return self.reducing
         self._drop_unfinished()
         self.graph_task = task
-        self.reducing = self.start_mean is not None and self.requires_sync and self.active()
+        crosses = self.start_mean is not None and self.active()
+        self.reducing = crosses and self.requires_sync  # not on a micro-batch that only accumulates
         if not self.bucket_bytes:
             return self.reducing
-        if not self.reducing:
+        if not crosses:
             self.buckets, self.bucket_of = None, {}  # past the warmup: the buffers are not needed again
+        if not self.reducing:
             return False
         if self.buckets is None:
             self._allocate_buckets()
