@@ -97,8 +97,10 @@ class NonFiniteGuard:
     def _after_step(self, optimizer, args, kwargs) -> None:
         """A step that created optimizer state (a first step) and was skipped created it without writing
         it: forget it, so the next step is a first step again. Read on the host, once: every later step
-        finds the state there."""
-        if len(optimizer.state) > self.states_before and optimizer.found_inf.item():
+        finds the state there. (A step before the loop's first, such as the one DCP takes with zero gradients
+        to create the state a resume loads into, has no flag yet.)"""
+        found_inf = getattr(optimizer, "found_inf", None)
+        if len(optimizer.state) > self.states_before and found_inf is not None and found_inf.item():
             for p in list(optimizer.state)[self.states_before :]:
                 del optimizer.state[p]
 
