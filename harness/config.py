@@ -414,7 +414,10 @@ class ShardingConf:
     # means "what the strategy implies" (1 for full/grad-op sharding, world size
     # for no_shard and ddp).
     replicate: Optional[int] = None
-    param_dtype: DType = DType.auto  # compute dtype: FSDP2's mixed-precision params, autocast for ddp
+    # compute dtype: FSDP2's mixed-precision params; autocast for ddp and a replica of one rank (float16 refused:
+    # no gradient scaler)
+    param_dtype: DType = DType.auto
+    # gradient reductions: FSDP2's reduce-scatter; a replica of one rank's gradient buckets where they cross replicas
     reduce_dtype: DType = DType.float32
 
 

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from harness import fault_tolerance, lr_schedules, sinks
 from harness.averaging.schedule import synchronous
 from harness.components import target_class
-from harness.config import EXTRA_KEYS, ConfigError, Strategy
+from harness.config import EXTRA_KEYS, ConfigError, ProfileConf, Strategy
 from harness.data import data_source
 from harness.dist import resolve_device, under_torchrun
 from harness.mesh import mesh_shape
@@ -50,15 +50,41 @@ def validate(cfg: DictConfig, world_size: int, gpus: int, local_world_size: int 
 
 
 def config_warnings(cfg: DictConfig) -> list[str]:
-    """Configs that run but probably not as meant (a short smoke run is a fair reason)."""
-    avg = cfg.averager
+    """Configs that run but probably not as meant (a short smoke run, or a preset's settings kept while
+    one part is switched off, is a fair reason)."""
+    avg, warnings = cfg.averager, []
     if averager_configured(cfg) and synchronous(cfg.train.steps - 1, avg.get("warmup_steps", 0)):
-        return [
+        warnings.append(
             f"averager.warmup_steps={avg.warmup_steps} >= train.steps={cfg.train.steps}: every step is "
             "synchronous and the averager never averages. For local SGD lower averager.warmup_steps; for "
             "synchronous training say averager=none."
+        )
+    return warnings + _profile_warnings(cfg)
+
+
+def _profile_warnings(cfg: DictConfig) -> list[str]:
+    """`train.profile` settings that record nothing: a run that ends before the first window does, or
+    window keys set while the profiler is off."""
+    profile = cfg.train.profile
+    if not profile.enabled:
+        defaults = ProfileConf()
+        keys = [f.name for f in dataclasses.fields(ProfileConf) if f.name != "enabled"]
+        changed = [f"train.profile.{k}={profile[k]}" for k in keys if profile[k] != getattr(defaults, k)]
+        if not changed:
+            return []
+        return [
+            f"{', '.join(changed)} set, but train.profile.enabled=false: no profiler runs and nothing is traced. "
+            "Fix: train.profile.enabled=true, or drop those keys."
         ]
-    return []
+    window = profile.wait + profile.warmup + profile.active
+    if window <= cfg.train.steps:
+        return []
+    return [
+        f"train.profile: the first window ends at step wait + warmup + active = {profile.wait} + {profile.warmup} + "
+        f"{profile.active} = {window}, after the run's last, train.steps={cfg.train.steps}, so no trace is written. "
+        f"Fix: train.profile.wait={max(0, cfg.train.steps - profile.warmup - profile.active)} (or fewer warmup and "
+        "active steps), or more train.steps."
+    ]
 
 
 def unknown_keys(cfg: DictConfig) -> list[str]:
@@ -281,13 +307,11 @@ def _check_sharding_and_averager(cfg: DictConfig, world_size: int, local_world_s
             "Fix: optimizer.fused=null (fused wherever it runs), or a layout with a replica per rank "
             "(sharding=no_shard)."
         )
-    if shard.param_dtype == "float16" and (shard.strategy == Strategy.ddp or one_device_replica(shard, shard_size)):
-        layout = (
-            "sharding=ddp" if shard.strategy == Strategy.ddp else f"a replica of one rank (sharding={shard.strategy})"
-        )
+    if shard.param_dtype == "float16":  # every layout alike: FSDP2's mixed precision, ddp's and one device's autocast
         errors.append(
-            f"sharding.param_dtype=float16 with {layout} would autocast to float16 without a gradient "
-            "scaler, and small gradients underflow. Fix: sharding.param_dtype=bfloat16 (or auto)."
+            f"sharding.param_dtype=float16 (sharding={shard.strategy}) would compute in float16 without a gradient "
+            "scaler, which the harness has not, and small gradients underflow. Fix: sharding.param_dtype=bfloat16 "
+            "(or auto)."
         )
     errors += fault_tolerance.config_errors(cfg, replicate)
     if not averager_configured(cfg):

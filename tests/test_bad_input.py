@@ -139,6 +139,11 @@ SETTLED = [
         ["fault_tolerance=torchft", "sharding=no_shard", "fault_tolerance.heartbeat_timeout_s=1e300"],
         ["fault_tolerance.heartbeat_timeout_s=1e+300", "at most 604800", "Fix:"],
     ),
+    (  # below the Managers' beat: every quorum held one group, the synchronous groups trained apart, exit 0
+        "ft heartbeat timeout below a beat",
+        ["fault_tolerance=torchft", "sharding=no_shard", "fault_tolerance.heartbeat_timeout_s=0.01"],
+        ["fault_tolerance.heartbeat_timeout_s=0.01 is shorter than 2 of the heartbeats", "Fix:"],
+    ),
     (  # the launcher numbers the groups; it was ignored, and recorded in .hydra/config.yaml
         "ft replica id under the launcher",
         ["fault_tolerance=torchft", "sharding=no_shard", "fault_tolerance.replica_id=5"],

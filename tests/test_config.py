@@ -185,13 +185,19 @@ RULES = [
         ["sharding=ddp", "sharding.param_dtype=float16"],
         2,
         0,
-        ["sharding.param_dtype=float16", "gradient scaler", "sharding.param_dtype=bfloat16"],
+        ["sharding.param_dtype=float16 (sharding=ddp)", "gradient scaler", "sharding.param_dtype=bfloat16"],
     ),
     (  # a replica of one rank autocasts as ddp does
         ["sharding=no_shard", "sharding.param_dtype=float16"],
         2,
         0,
-        ["sharding.param_dtype=float16 with a replica of one rank", "gradient scaler"],
+        ["sharding.param_dtype=float16 (sharding=no_shard)", "gradient scaler"],
+    ),
+    (  # FSDP2's mixed precision computed in fp16 without a scaler, silently
+        ["sharding=full_shard", "averager=none", "sharding.param_dtype=float16"],
+        2,
+        0,
+        ["sharding.param_dtype=float16 (sharding=full_shard)", "gradient scaler", "sharding.param_dtype=bfloat16"],
     ),
     (
         ["optimizer=sgd", "optimizer.fused=true", "sharding=full_shard", "averager=none"],
@@ -523,7 +529,7 @@ def test_resume_auto_picks_the_latest_complete_checkpoint(tmp_path):
     assert resume_path(cfg.checkpoint, run) == run / "checkpoints" / "step_10"
 
 
-def test_warmup_past_the_last_step_warns_but_runs():
+def test_warmup_past_the_last_step_and_a_profiler_that_traces_nothing_warn_but_run():
     from harness.validate import config_warnings
 
     cfg = make("train.steps=8")  # the default warmup is 10
@@ -531,6 +537,14 @@ def test_warmup_past_the_last_step_warns_but_runs():
     [warning] = config_warnings(cfg)
     assert "averager.warmup_steps=10 >= train.steps=8" in warning and "averager=none" in warning
     assert config_warnings(make()) == [] and config_warnings(make("averager=none", "train.steps=8")) == []
+    # the profiler's first window (5 + 2 + 3 steps) ends after the run: profile/ stayed empty
+    [warning] = config_warnings(make("averager=none", "train.steps=8", "train.profile.enabled=true"))
+    assert "ends at step wait + warmup + active = 5 + 2 + 3 = 10" in warning and "train.steps=8" in warning
+    assert "Fix: train.profile.wait=3" in warning
+    # its keys set without enabling it: ignored before
+    [warning] = config_warnings(make("train.profile.wait=95", "train.profile.repeat=0"))
+    assert "train.profile.wait=95, train.profile.repeat=0 set, but train.profile.enabled=false" in warning
+    assert config_warnings(make("train.profile.enabled=true", "train.profile.wait=95", "train.steps=200")) == []
 
 
 def test_cuda_without_a_gpu_is_one_error_about_the_device_not_the_derived_rank_count():

@@ -23,6 +23,10 @@ LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 
 
 MAX_TIMEOUT_S = 7 * 24 * 3600
+# torchft's Manager beats to the lighthouse this often (its default, which the harness keeps); a heartbeat
+# timeout must outlast a few beats, or the lighthouse drops live groups between two of them
+MANAGER_HEARTBEAT_S = 0.1
+MIN_HEARTBEATS = 2
 
 
 def enabled(cfg: DictConfig) -> bool:
@@ -89,6 +93,15 @@ def config_errors(cfg: DictConfig, replicas: int | None) -> list[str]:
                 f"fault_tolerance.{key}={ft[key]} must be a positive number of seconds, at most {MAX_TIMEOUT_S} (a "
                 "week: torchft keeps its timeouts as milliseconds and durations). Fix: a number of seconds, e.g. 60."
             )
+    heartbeat = ft.heartbeat_timeout_s
+    if heartbeat is not None and 0 < heartbeat < MIN_HEARTBEATS * MANAGER_HEARTBEAT_S:
+        errors.append(
+            f"fault_tolerance.heartbeat_timeout_s={heartbeat} is shorter than {MIN_HEARTBEATS} of the heartbeats "
+            f"torchft's Manager sends the lighthouse (one every {MANAGER_HEARTBEAT_S} s): the lighthouse would count "
+            "live groups as gone between two beats, every quorum would hold one group, and the groups would train "
+            f"apart. Fix: fault_tolerance.heartbeat_timeout_s=0.5 (the default), at least "
+            f"{MIN_HEARTBEATS * MANAGER_HEARTBEAT_S:g}."
+        )
     if ft.max_restarts < 0:
         errors.append(f"fault_tolerance.max_restarts={ft.max_restarts} must be >= 0. Fix: 0 for no restarts.")
     if ft.max_failed_exchanges < 1:
