@@ -75,7 +75,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from harness_runs import FSDP2_STRATEGIES, SMOKE_HELP, check, compose, launch, rank_env
+from harness_runs import FSDP2_STRATEGIES, SMOKE_HELP, at_least_one, check, compose, launch, rank_env
 from omegaconf import DictConfig, OmegaConf, open_dict
 from reference_loops import minimal_fsdp2, plain
 
@@ -394,7 +394,7 @@ def kernel_paths(args: argparse.Namespace) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=int, default=1)
+    parser.add_argument("--nproc", type=at_least_one, default=1)
     parser.add_argument("--rounds", type=int, default=10, help="measured rounds, after one warm-up round")
     parser.add_argument("--steps-per-round", type=int, default=10)
     parser.add_argument("--count-steps", type=int, default=4, help="steps whose host work is counted")

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from harness_runs import SMOKE_HELP, check, compose, launch, rank_env
+from harness_runs import SMOKE_HELP, at_least_one, check, compose, launch, rank_env
 
 from harness import metrics
 from harness.dist import synchronize
@@ -94,7 +94,7 @@ def rank(cfg, run_dir: Path, plan, args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--nproc", type=at_least_one, default=2)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=8, help="steps per job per round")
     parser.add_argument("--accum", type=int, default=4, help="K: micro-batches per step")

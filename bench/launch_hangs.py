@@ -27,12 +27,12 @@ import uuid
 
 import torch
 import torch.distributed as dist
+from harness_runs import SMOKE_HELP, at_least_one
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from harness.launch import run_local_ranks
 
-SMOKE_HELP = "the smallest run through every path of this bench, on CPU, in seconds (tests/test_bench.py)"
 SMOKE = ["--seconds", "1", "--nproc", "2"]
 
 
@@ -68,7 +68,7 @@ def launch_with_harness(nproc: int, timeout_s: float) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=180, help="time per mode")
-    parser.add_argument("--nproc", type=int, default=4)
+    parser.add_argument("--nproc", type=at_least_one, default=4)
     parser.add_argument("--init-timeout-s", type=float, default=15)
     parser.add_argument("--smoke", action="store_true", help=f"{SMOKE_HELP}: {' '.join(SMOKE)}")
     args = parser.parse_args()

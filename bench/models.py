@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import torch.distributed as dist
-from harness_runs import SMOKE_HELP, check, compose, launch, rank_env
+from harness_runs import SMOKE_HELP, at_least_one, check, compose, launch, rank_env
 
 from harness.dist import synchronize
 from harness.job import build_job
@@ -82,7 +82,7 @@ def rank(llama, run_dir: Path, plan, hf, args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--nproc", type=at_least_one, default=2)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=8, help="steps per job per round")
     parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)

@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from harness_runs import FSDP2_STRATEGIES, SMOKE_HELP, check, compose, launch, rank_env
+from harness_runs import FSDP2_STRATEGIES, SMOKE_HELP, at_least_one, check, compose, launch, rank_env
 from omegaconf import DictConfig, open_dict
 from reference_loops import minimal_fsdp2, plain
 
@@ -206,7 +206,7 @@ def report(cfg, env, job, times, orders, steps_per_round, command, diffs, counts
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--nproc", type=at_least_one, default=2)
     parser.add_argument("--rounds", type=int, default=30, help="including one warm-up round")
     parser.add_argument("--steps-per-round", type=int, default=10)
     parser.add_argument("--count-steps", type=int, default=5, help="steps whose dispatched ops are counted")
