@@ -57,15 +57,27 @@ class Run:
         return values[-1] if values else None
 
 
+TEXT_METRICS = {metrics.CHECKPOINT_MODE}  # the metrics whose values are words; every other value is a number
+
+
 def read_run(path: Path) -> Run:
+    """A run's rows, config and result. A value that should be a number and is not (a hand-edited or
+    foreign metrics.jsonl) is left out, with a line on stderr naming the file and line: plotted, it would
+    turn the axis categorical and draw a falling loss rising."""
     metrics_file = path / "metrics.jsonl"
     rows = []
     if metrics_file.exists():
-        for line in metrics_file.read_text().splitlines():
+        for number, line in enumerate(metrics_file.read_text().splitlines(), 1):
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except ValueError:  # a line cut short by a killed job
                 continue
+            for key in [k for k, v in row.items() if k not in TEXT_METRICS and not _number(v)]:
+                print(
+                    f"harness.report: {metrics_file}:{number}: {key}={row.pop(key)!r} is not a number; left out",
+                    file=sys.stderr,
+                )
+            rows.append(row)
     config_file = path / ".hydra" / "config.yaml"
     config = OmegaConf.to_container(OmegaConf.load(config_file)) if config_file.exists() else {}
     result_file = path / RESULT_FILE
@@ -75,6 +87,10 @@ def read_run(path: Path) -> Run:
     else:
         name = (config.get("wandb") or {}).get("name") or path.name
     return Run(path, name, rows, config, result)
+
+
+def _number(value) -> bool:
+    return value is None or isinstance(value, (int, float))  # NaN and inf are numbers: a skipped step's loss
 
 
 def status(run: Run) -> str:

@@ -70,3 +70,17 @@ def test_a_two_by_two_sweeps_plots_name_every_job_in_a_legend_inside_the_figure(
         titles = " ".join(ax.get_title() for ax in figure.axes)
         assert "at the logged steps only (train.log_every=10" in titles, titles
     assert (sweep / "report" / "tradeoff.png").stat().st_size > 0
+
+
+def test_a_value_that_is_not_a_number_is_left_out_naming_file_and_line(tmp_path, capsys):
+    """A row whose loss is a word (a hand-edited or foreign metrics.jsonl) made the loss axis
+    categorical and drew a falling loss rising, silently: the value is left out, naming file and line."""
+    rows = [{"step": 1, metrics.TRAIN_LOSS: 3.0}, {"step": 2, metrics.TRAIN_LOSS: "n/a", metrics.TRAIN_LR: 0.1}]
+    rows += [{"step": 3, metrics.TRAIN_LOSS: 2.0, metrics.CHECKPOINT_MODE: "full"}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    run = read_run(tmp_path)
+    assert run.series(metrics.TRAIN_LOSS) == ([1, 3], [3.0, 2.0]) and run.series(metrics.TRAIN_LR) == ([2], [0.1])
+    assert run.rows[2][metrics.CHECKPOINT_MODE] == "full"
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'metrics.jsonl'}:2: train/loss='n/a' is not a number; left out" in err
+    assert report_main([str(tmp_path)]) == 0
