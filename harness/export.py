@@ -22,6 +22,7 @@ import argparse
 import json
 import logging
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -140,6 +141,30 @@ def export(source: Path, out: Path, group: int | None = None) -> dict:
             "Fix: name a new or empty directory elsewhere."
         )
     paths = find_checkpoints(source, group)
+    with reading(paths):
+        return _export(paths, out)
+
+
+@contextmanager
+def reading(paths: list[Path]):
+    """A checkpoint of `paths` that cannot be read, said for an export (or generate): the loader's own
+    words are a resume's, naming checkpoint.resume, which neither takes."""
+    try:
+        yield
+    except CheckpointError as e:
+        if e.problem is None:
+            raise
+        fix = (
+            "Fix: export a replica group whose checkpoint loads, alone (export: --group <r>; generate: group=<r>), "
+            "or pass an earlier step_<N> directory."
+            if len(paths) > 1
+            else "Fix: pass an earlier step_<N> directory of the run (in its checkpoints directory)."
+        )
+        raise ConfigError(f"checkpoint {str(e.path)!r}: {e.problem}. {fix}") from None
+
+
+def _export(paths: list[Path], out: Path) -> dict:
+    """`export` of the checkpoint(s) `find_checkpoints` found."""
     path = paths[0]
     meta = read_meta(path)
     cfg = OmegaConf.create(meta["config"])

@@ -26,6 +26,9 @@ from harness.config import ConfigError
 KEYS = {"prompt": (str, None), "max_new_tokens": (int, 64), "temperature": (float, 0.0), "top_p": (float, 1.0)}
 KEYS["seed"] = (int, 0)
 KEYS["group"] = (int, None)  # a fault-tolerant run: this replica group's model, not their mean
+# a value of each key for a message's fix: its default, or what to write instead of it
+EXAMPLES = {key: default for key, (_, default) in KEYS.items()}
+EXAMPLES["group"] = "0 (a replica group's number), or no group= for the groups' mean"
 
 
 def parse(args: list[str]) -> dict:
@@ -45,7 +48,7 @@ def parse(args: list[str]) -> dict:
             values[key] = KEYS[key][0](value)
         except ValueError:
             kind = KEYS[key][0].__name__
-            raise ConfigError(f"{key}={value!r} is not a {kind}. Fix: e.g. {key}={KEYS[key][1]}.") from None
+            raise ConfigError(f"{key}={value!r} is not a {kind}. Fix: e.g. {key}={EXAMPLES[key]}.") from None
     if not values["prompt"]:
         given = "no prompt" if values["prompt"] is None else "prompt='' is empty: there is nothing to continue"
         raise ConfigError(f'{given}. Fix: prompt="def main(" (in quotes when it has spaces).')
@@ -93,10 +96,12 @@ def main(argv: list[str] | None = None) -> int:
             settings.pop("group")
             print(generate(source, **settings))
             return 0
-        from harness.export import export, find_checkpoints, run_tokenizer
+        from harness.export import export, find_checkpoints, reading, run_tokenizer
 
         group = settings.pop("group")
-        where, what = run_tokenizer(find_checkpoints(source, group)[0])
+        paths = find_checkpoints(source, group)
+        with reading(paths):
+            where, what = run_tokenizer(paths[0])
         if where is None:  # said before the export, naming the run
             raise ConfigError(
                 f"{str(source)!r}: {what}, so no tokenizer turns the prompt into tokens. {NO_TOKENIZER_FIX}"

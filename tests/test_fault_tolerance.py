@@ -475,13 +475,16 @@ def test_synchronous_groups_train_what_one_world_and_torchft_ddp_train(tmp_path,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("failing", ["collectives", "quorums", "lighthouse"])
+@pytest.mark.parametrize("failing", ["collectives", "short run", "quorums", "lighthouse"])
 def test_a_run_whose_exchanges_never_commit_fails_naming_the_cause(tmp_path, failing):
     """No exchange across the groups commits, so each group stops with one paragraph naming the cause and
     the fix, is not restarted, and the run fails (it used to skip every step and exit 0, or restart the
     group whose quorum failed):
     - collectives: fault_tolerance.timeout_s=0.001 (should_commit's request, and at times the quorum's,
       time out too);
+    - short run: the same in a run of 3 exchanges, fewer than max_failed_exchanges=5, so that bound never
+      stops it: the run fails at its end (it exited 0 with the groups never averaged; a group may be
+      restarted first when should_commit's own request times out);
     - quorums: the lighthouse wants more groups than there are (its own --min_replicas), so no quorum
       forms; each group asks again, and stops after fault_tolerance.max_failed_exchanges in a row;
     - lighthouse: SIGKILLed at step 10, as when its machine dies; the first failed quorum finds it gone."""
@@ -492,6 +495,10 @@ def test_a_run_whose_exchanges_never_commit_fails_naming_the_cause(tmp_path, fai
         args += ["train.steps=40", "fault_tolerance.timeout_s=0.001", "fault_tolerance.max_failed_exchanges=1"]
         proc = run_train(args, tmp_path / "run", base_env(tmp_path), tmp_path)
         named = ["1 exchange in a row across replica groups did not commit", "fault_tolerance.timeout_s=0.001 s"]
+    elif failing == "short run":
+        args += ["train.steps=6", "averager.warmup_steps=0", "averager.period=2", "fault_tolerance.timeout_s=0.001"]
+        proc = run_train(args, tmp_path / "run", base_env(tmp_path), tmp_path)
+        named = ["fault_tolerance: the run ended, and none of its", "fault_tolerance.timeout_s=0.001 s"]
     else:
         serve = (  # in a process of its own, to be SIGKILLed as when its machine dies
             "import time; from torchft.coordination import LighthouseServer; "
@@ -521,13 +528,15 @@ def test_a_run_whose_exchanges_never_commit_fails_naming_the_cause(tmp_path, fai
         proc = subprocess.CompletedProcess(train.args, train.returncode, *(f.seek(0) or f.read() for f in (out, err)))
         named = {
             "quorums": [
-                "3 exchanges in a row across replica groups did not commit (the last: no quorum within "
-                "fault_tolerance.quorum_timeout_s=1.0 s)"
+                "3 exchanges in a row across replica groups did not commit, the last for want of a quorum: no "
+                "quorum within fault_tolerance.quorum_timeout_s=1.0 s",
+                "Fix: raise fault_tolerance.quorum_timeout_s",
             ],
             "lighthouse": [f"the torchft lighthouse at {address} stopped answering (the connection is refused)"],
         }[failing]
     assert proc.returncode == 1, proc.stderr[-3000:]
-    assert all(n in proc.stderr for n in named) and "restarting it" not in proc.stderr, proc.stderr[-3000:]
+    assert all(n in proc.stderr for n in named), proc.stderr[-3000:]
+    assert "restarting it" not in proc.stderr or failing == "short run", proc.stderr[-3000:]
     assert "Traceback" not in proc.stdout + proc.stderr
 
 
@@ -610,6 +619,19 @@ def test_a_fault_tolerant_sweep_job_is_an_ordinary_run_for_every_tool(tmp_path):
             5,
             6,
         ]
+
+    # one group's checkpoint cut short: an export names it and --group, not a resume's keys ...
+    damaged = other / "replica_group_1" / "checkpoints" / "step_6"
+    (damaged / "full.pt").write_bytes((damaged / "full.pt").read_bytes()[:4096])
+    proc = run_module("harness.export", [str(other), str(tmp_path / "damaged")], env, tmp_path)
+    assert proc.returncode == 2 and f"checkpoint {str(damaged)!r}: loading it failed" in proc.stderr, proc.stderr
+    assert "--group <r>" in proc.stderr and "checkpoint.resume" not in proc.stderr and "Traceback" not in proc.stderr
+    # ... and a fault-tolerant resume stops at once, naming it (it was restarted 3 times, each failing alike,
+    # while the other group waited in its first quorum for up to quorum_timeout_s)
+    proc = run_train([*ft, "train.steps=8"], other, env, tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and f"replica group 1 cannot resume from its checkpoint {str(damaged)!r}" in out, out
+    assert "Fix: remove that step_<N> directory" in out and "restarting it" not in out and "Traceback" not in out
 
 
 def torch_load(path: Path) -> dict:

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from harness import metrics
-from harness.checkpoint.files import RNG_FILE, CheckpointError, commit, read_meta, remove_leftovers
+from harness.checkpoint.files import RNG_FILE, CheckpointError, commit, read_meta, remove_leftovers, unreadable
 from harness.checkpoint.full import FullMode
 from harness.checkpoint.replicas import inner_optimizer, load_mean_of_copies, local_tensors, replica_layout
 from harness.checkpoint.sharded import AsyncShardedMode, ShardedMode
@@ -233,10 +233,8 @@ def _restore_rngs(path: Path, rank: int) -> None:
     try:
         rngs = torch.load(path / RNG_FILE, weights_only=True)
     except Exception as e:
-        raise CheckpointError(
-            f"checkpoint.resume: {str(path / RNG_FILE)!r} is missing or damaged ({_describe(e)}). "
-            "Fix: resume from an earlier checkpoint, or checkpoint.resume=never."
-        ) from e
+        problem = f"{RNG_FILE} is missing or damaged ({_describe(e)})"
+        raise unreadable(path, problem, "Fix: resume from an earlier checkpoint, or checkpoint.resume=never.") from e
     if len(rngs) == dist.get_world_size():
         set_rng_state(rngs[rank])
     elif rank == 0:
@@ -301,8 +299,11 @@ def _loading(path: Path):
     try:
         yield
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+        problem = f"loading it failed ({_describe(e)}): it is damaged or does not match this model"
         raise CheckpointError(
             f"checkpoint.resume: loading {str(path)!r} failed ({_describe(e)}). "
             "The checkpoint is damaged or does not match this model. Fix: resume from an earlier checkpoint "
-            "(checkpoint.resume=<its step_<N> dir>) or start fresh (checkpoint.resume=never)."
+            "(checkpoint.resume=<its step_<N> dir>) or start fresh (checkpoint.resume=never).",
+            path,
+            problem,
         ) from e

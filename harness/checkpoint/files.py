@@ -43,25 +43,40 @@ LEGACY_MODEL_NAMES = {"gpt": "harness.models.GPT", "mlp": "harness.models.TokenM
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used or written; the message names the path and the fix."""
+    """A checkpoint that cannot be used or written; the message names the path and the fix. One that
+    cannot be read also says what is wrong with it (`problem`, of `path`), so that a reader other than a
+    resume (an export, a replica group) can name its own fix."""
+
+    def __init__(self, message: str, path: Path | None = None, problem: str | None = None):
+        super().__init__(message)
+        self.path, self.problem = path, problem
+
+
+def unreadable(path: Path, problem: str, fix: str) -> CheckpointError:
+    """The CheckpointError of a checkpoint a resume cannot read: `checkpoint.resume=<path>: <problem>. <fix>`."""
+    return CheckpointError(f"checkpoint.resume={str(path)!r}: {problem}. {fix}", path, problem)
+
+
+RESUME_FIX = "Fix: point checkpoint.resume at a step_<N> directory written by harness, or checkpoint.resume=never."
 
 
 def read_meta(path: Path) -> dict:
     """`meta.json` of the checkpoint at `path`; CheckpointError when missing or unreadable."""
-    fix = "Fix: point checkpoint.resume at a step_<N> directory written by harness, or checkpoint.resume=never."
     if not path.exists():
-        raise CheckpointError(f"checkpoint.resume={str(path)!r}: no such file or directory. {fix}")
+        raise unreadable(path, "no such file or directory", RESUME_FIX)
+    if not path.is_dir():
+        raise unreadable(path, "a file, not a checkpoint (a step_<N> directory holding meta.json)", RESUME_FIX)
     try:
         return json.loads((path / META).read_text())
     except FileNotFoundError:
-        raise CheckpointError(
-            f"checkpoint.resume={str(path)!r} is not a complete checkpoint: it has no {META} "
-            f"(a save that did not finish, or not a harness checkpoint). {fix}"
+        raise unreadable(
+            path,
+            f"it is not a complete checkpoint: it has no {META} (a save that did not finish, or not a harness "
+            "checkpoint)",
+            RESUME_FIX,
         ) from None
     except (OSError, ValueError) as e:
-        raise CheckpointError(
-            f"checkpoint.resume={str(path)!r}: {META} is unreadable ({e}); the checkpoint is corrupt. {fix}"
-        ) from None
+        raise unreadable(path, f"{META} is unreadable ({e}); the checkpoint is corrupt", RESUME_FIX) from None
 
 
 def check_compatible(meta: dict, cfg: DictConfig, path: Path) -> list[str]:

@@ -242,15 +242,33 @@ class TorchftLink:
         self.failed_in_a_row += 1
         if self.failed_in_a_row < self.ft.max_failed_exchanges:
             return
+        failed = f"{self.failed_in_a_row} exchange{'s' * (self.failed_in_a_row > 1)} in a row across replica groups"
+        raise ExchangesFailed(self._failed(f"{failed} did not commit", cause)) from cause
+
+    def all_failed(self) -> None:
+        """At the end of the run: ExchangesFailed if it tried exchanges and none ever committed (fewer than
+        `max_failed_exchanges`, so none stopped it): the groups' models were never combined."""
+        if self.commits == 0 and self.failed_in_a_row:
+            failed = f"{self.failed_in_a_row} exchange{'s' * (self.failed_in_a_row > 1)} across replica groups"
+            raise ExchangesFailed(self._failed(f"the run ended, and none of its {failed} committed", None))
+
+    def _failed(self, what: str, cause: Exception | None) -> str:
+        """The paragraph of exchanges that did not commit: `what`, and the fix for `cause` (the last failure)."""
+        where = f"replica group {self.replica_id}, step {self.steps_done}"
+        more = "fault_tolerance.max_failed_exchanges allows more in a row."
+        if isinstance(cause, QuorumFailed):  # the quorums are what failed: their timeout leads
+            return (
+                f"fault_tolerance: {what}, the last for want of a quorum: {cause} ({where}), so the groups trained "
+                "apart. Fix: raise fault_tolerance.quorum_timeout_s (300 s by default: it covers "
+                "a peer's restart; a quorum's requests are also bound by fault_tolerance.timeout_s="
+                f"{self.ft.timeout_s} s), and check that the lighthouse's --min_replicas is at most the groups; {more}"
+            )
         last = f" (the last: {cause})" if cause else ""
-        raise ExchangesFailed(
-            f"fault_tolerance: {self.failed_in_a_row} exchange{'s' * (self.failed_in_a_row > 1)} in a row across "
-            f"replica groups did not commit{last} (replica group {self.replica_id}, step {self.steps_done}), each "
-            f"given fault_tolerance.timeout_s={self.ft.timeout_s} s, so the run trains nothing across replicas. Fix: "
-            "raise fault_tolerance.timeout_s if the collectives need longer (quorum_timeout_s if the quorums do, "
-            "and check that the lighthouse's --min_replicas is at most the groups); the groups' logs name the "
-            "failing collective; fault_tolerance.max_failed_exchanges allows more in a row."
-        ) from cause
+        return (
+            f"fault_tolerance: {what}{last} ({where}), each collective given fault_tolerance.timeout_s="
+            f"{self.ft.timeout_s} s, so the groups trained apart. Fix: raise fault_tolerance.timeout_s "
+            f"if the collectives need longer; the groups' logs name the failing collective; {more}"
+        )
 
     def failed(self) -> bool:
         return self.manager.errored() is not None

@@ -134,7 +134,9 @@ class ReplicaGroup:
             )
 
     def finish(self) -> None:
-        """This group has trained every step: say so in its outputs, for a peer that restarts after it exits."""
+        """This group has trained every step: say so in its outputs, for a peer that restarts after it exits;
+        unless no exchange of the run ever committed (ExchangesFailed: the groups trained apart)."""
+        self.link.all_failed()
         if dist.get_rank() == 0:
             (self.outputs / FINISHED).write_text(json.dumps({"step": self.trainer.state.step}))
 

@@ -57,8 +57,15 @@ def exit_on_exception(body, *args) -> None:
     its traceback in the rank's log and its first line as the rank's reason (`record_failure`), not
     through torch's multiprocessing, which would pickle it into a /tmp/pytorch-errorfile-*.pickle
     that no one removes."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     try:
         body(*args)
+    except SignalException as e:  # stopped by whoever started it (the launcher, Ctrl-C): one line, no traceback,
+        # and at once: a clean exit joins the threads still working (torchft's quorum, mid-way through a process
+        # group's setup that waits dist.timeout_s for the peer that is gone), and its starter waits for it
+        logging.getLogger("harness").warning("the rank was stopped (%s)", e.sigval.name)
+        exit_now(128 + e.sigval)
     except Exception as e:
         logging.getLogger("harness").exception("the rank failed")
         record_failure(": ".join([type(e).__name__, *str(e).splitlines()[:1]]))

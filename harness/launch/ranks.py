@@ -140,6 +140,17 @@ def free_port() -> int:
 CANNOT_RUN = 2  # a rank's exit status, and its replica group supervisor's, for a setting to fix
 
 
+def group_cannot_resume(replica_id: int, e: CheckpointError) -> str:
+    """The paragraph of a replica group whose checkpoint cannot be read: a setting to fix, as every restart of
+    the group would meet it again (while its peers wait for it at their first quorum)."""
+    return (
+        f"replica group {replica_id} cannot resume from its checkpoint {str(e.path)!r}: {e.problem}. A restart "
+        "would read it again. Fix: remove that step_<N> directory: the group then resumes from its previous "
+        "checkpoint (or from scratch) and, behind its peers, is healed from a live one at its first quorum, as "
+        "fault tolerance heals any group that falls behind; or start the whole run over (checkpoint.resume=never)."
+    )
+
+
 def rank_entrypoint(cfg: DictConfig, run_dir: Path, plan: RunPlan) -> None:
     """A locally started rank's process (in an importable module, for the launcher); it leaves like train.py."""
     setup_logging(run_dir, plan.rank_in_mesh(int(os.environ["RANK"])))
@@ -155,9 +166,18 @@ def train_or_exit(cfg: DictConfig, run_dir: Path, plan: RunPlan) -> None:
         log.error("%s", e)
         record_failure(str(e))
         sys.exit(CANNOT_RUN)
-    except (CheckpointError, NonFiniteLossError) as e:
+    except CheckpointError as e:
+        if plan.replica_id is not None and e.problem is not None:  # a group's own checkpoint: no restart mends it
+            message = group_cannot_resume(plan.replica_id, e)
+            log.error("%s", message)
+            record_failure(message)
+            sys.exit(CANNOT_RUN)
         # with its cause's traceback when it wraps one (a failed save or load), so a bug is not taken for a full disk
         log.error("%s", e, exc_info=e.__cause__ is not None)
+        record_failure(str(e))
+        sys.exit(1)
+    except NonFiniteLossError as e:
+        log.error("%s", e)
         record_failure(str(e))
         sys.exit(1)
     except Exception as e:
