@@ -114,6 +114,11 @@ SETTLED = [
     ("negative lr", ["optimizer.lr=-0.1"], ["optimizer.lr=-0.1", "Fix:"]),
     ("heads not dividing width", ["model.n_head=3"], ["model.d_model=128 is not divisible by model.n_head=3", "Fix:"]),
     ("checkpoint incomplete", ["checkpoint.resume={tmp}/incomplete"], ["{tmp}/incomplete", "no meta.json", "Fix:"]),
+    (  # it said "the checkpoint is corrupt"
+        "checkpoint a plain file",
+        ["checkpoint.resume={tmp}/a_file"],
+        ["checkpoint.resume='{tmp}/a_file': a file, not a checkpoint", "Fix:"],
+    ),
     (
         "resume into another model size",
         ["checkpoint.resume={tmp}/deep/step_5"],
@@ -167,6 +172,7 @@ SETTLED = [
 @pytest.mark.parametrize("name,overrides,expected", SETTLED, ids=[c[0] for c in SETTLED])
 def test_every_refusal_names_the_key_and_the_fix(name, overrides, expected, tmp_path):
     (tmp_path / "incomplete").mkdir()
+    (tmp_path / "a_file").write_text("not a checkpoint")
     fake_checkpoint(tmp_path / "deep" / "step_5", n_layer=8)
     args = [*BASE, *(o.format(tmp=tmp_path) for o in overrides)]
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
@@ -229,6 +235,12 @@ TOOL_CASES = [
     ("generate empty prompt", "generate", ["{tmp}/run", "prompt="], ["prompt='' is empty", 'Fix: prompt="def main("']),
     ("generate seed", "generate", ["{tmp}/run", "prompt=def", "seed=99999999999999999999999"], ["outside [0, 2**63)"]),
     ("generate nan", "generate", ["{tmp}/run", "prompt=def", "temperature=nan"], ["temperature a finite number"]),
+    (  # its fix said group=None, itself refused
+        "generate group a word",
+        "generate",
+        ["{tmp}/run", "prompt=def", "group=first"],
+        ["group='first' is not a int. Fix: e.g. group=0 (a replica group's number)"],
+    ),
     ("generate no run", "generate", ["{tmp}/none", "prompt=def"], ["'{tmp}/none' does not exist. Fix:"]),
     (  # refused before the export, naming the run
         "generate no tokenizer",
