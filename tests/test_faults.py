@@ -192,6 +192,7 @@ def test_nonfinite_loss_stops_at_that_step_and_no_checkpoint_holds_it(fused, tmp
     )
     assert proc.returncode == 1
     assert "not finite (NaN/inf) at step 2" in proc.stdout and "train.nonfinite=skip" in proc.stdout
+    assert "Traceback" not in proc.stdout + proc.stderr, "the rank the launcher stopped leaves with one line"
     assert steps_saved(run) == ["step_1"]
     saved = saved_state(run / "checkpoints" / "step_1", tmp_path)
     assert all(torch.isfinite(t).all() for t in saved["model"].values())
