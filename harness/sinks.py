@@ -14,6 +14,8 @@ import json
 import logging
 import math
 import os
+import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -117,6 +119,26 @@ class MetricsSink:
             # teardown waits for wandb-core to exit, so the files are complete.
             wandb.teardown()
             self.wandb_run = None
+            remove_wandb_temp_dirs()
+
+
+# W&B makes temporary directories as its modules load (its media and artifact staging, in the system's
+# temp dir) and leaves them to finalizers at interpreter exit, which a harness process never reaches
+# (harness.launch.exit.exit_now): each launch left two empty ones behind. Where wandb 0.31 keeps them:
+WANDB_TEMP_DIRS = (
+    ("wandb.sdk.data_types._private", "MEDIA_TMP"),
+    ("wandb.sdk.artifacts.artifact", "Artifact._TMP_DIR"),
+)
+
+
+def remove_wandb_temp_dirs() -> None:
+    """Remove the temporary directories W&B made in this process, once it is done."""
+    for module, path in WANDB_TEMP_DIRS:
+        holder = sys.modules.get(module)
+        for name in path.split("."):
+            holder = getattr(holder, name, None)
+        if isinstance(holder, tempfile.TemporaryDirectory):
+            holder.cleanup()
 
 
 class TensorBoardEvents:

@@ -21,8 +21,13 @@ def _run_dirs(root):
 
 
 def test_mission_command_under_torchrun_writes_one_run_dir_with_metrics_and_wandb(tmp_path, cli_env):
-    """`torchrun --nproc-per-node 2 train.py optimizer=sgd averager.period=4`, rank 1 started 2.5 s late."""
+    """`torchrun --nproc-per-node 2 train.py optimizer=sgd averager.period=4`, rank 1 started 2.5 s late.
+    It leaves nothing in the temp dir (W&B's media and artifact dirs were left by every launch) but torch's
+    compile cache, one per user for every run."""
     cli_env.pop("WANDB_MODE")
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    cli_env["TMPDIR"] = str(temp)
     args = [
         "optimizer=sgd",
         "averager.period=4",
@@ -71,6 +76,7 @@ def test_mission_command_under_torchrun_writes_one_run_dir_with_metrics_and_wand
     assert [row["_step"] for row in run["history"]] == [r["step"] for r in rows]
     assert run["config"]["optimizer"]["_target_"] == "torch.optim.SGD"
     assert run["config"]["averager"]["period"] == 4 and run["run"]["project"] == "harness"
+    assert [p.name for p in temp.iterdir() if not p.name.startswith("torchinductor_")] == []
 
 
 def test_python_train_py_starts_its_own_ranks(tmp_path, cli_env):
