@@ -356,15 +356,16 @@ def write_shards(cfg, files, tokenizer, eot: int, dtype: np.dtype, out: Path, in
         docs, number = pending[split], len(index[split])
         path = out / shard_name(split, number)
         if path.exists():  # written by an earlier run: renamed into place whole
-            tokens = path.stat().st_size // dtype.itemsize
+            array = np.memmap(path, dtype=dtype, mode="r")
         else:
             # encode_batch_fast: the ids without the offsets, which nothing here needs
             ids = [ids + [eot] for ids in (e.ids for e in tokenizer.encode_batch_fast(docs))]
             array = np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype)
             write_durably(path, array.tobytes())
-            tokens = len(array)
-            progress.update(tokens)
-        index[split].append({"file": path.name, "tokens": tokens, "documents": len(docs)})
+            progress.update(len(array))
+        # the largest id, which a loader checks against the vocabulary without reading the shard
+        shard = {"file": path.name, "tokens": len(array), "documents": len(docs), "max_id": int(array.max())}
+        index[split].append(shard)
         pending[split] = []
 
     for number, text in enumerate(documents(files, cfg.text_field)):

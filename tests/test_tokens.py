@@ -92,6 +92,8 @@ def test_prepare_round_trips_every_document_and_holds_some_out(dataset):
     assert not set(train) & set(held) and 2 <= len(held) <= 16  # 20 % of 40, drawn by a hash
     index = json.loads((out / "index.json").read_text())
     assert index["dtype"] == "uint16" and index["vocab_size"] == 300 and len(index["sources"]) == 22
+    for shard in index["train"] + index["eval"]:  # the largest id, for loaders to check without a read
+        assert shard["max_id"] == np.fromfile(out / shard["file"], dtype=index["dtype"]).max()
     assert [s["documents"] for s in index["train"]][:-1] == [6] * (len(index["train"]) - 1)
 
 
@@ -178,6 +180,21 @@ def test_nanogpt_train_and_val_bins_are_read_as_they_are(tmp_path):
     assert torch.equal(shards.eval_samples(0, 1, 17)[0], torch.from_numpy(tokens[:17].astype(np.int64)))
 
 
+def test_a_batch_with_an_id_the_model_does_not_embed_names_its_shard(dataset, tmp_path):
+    """An index whose vocabulary is below its shards' ids, without prepare's recorded largest ids: the first
+    batch read says so, naming the shard and the fix, where the embedding raised an IndexError."""
+    from harness.data.shards import TokenIdsOutOfRange
+
+    out = tmp_path / "copy"
+    shutil.copytree(dataset[1], out)
+    break_dataset(out, "index vocabulary below its ids, unrecorded")
+    shards = TokenShards(vocab_size=256, seed=0, path=str(out))
+    assert shards.preflight_errors(17, evaluates=False) == []
+    shards.open()
+    with pytest.raises(TokenIdsOutOfRange, match=r"shard .*\.bin holds token id \d+, but the model embeds ids below"):
+        shards.samples(0, 8, 17)
+
+
 def break_dataset(out: Path, case: str) -> None:
     index = json.loads((out / "index.json").read_text())
     if case == "truncated shard":
@@ -189,6 +206,12 @@ def break_dataset(out: Path, case: str) -> None:
     elif case == "nanogpt ids above the vocabulary":
         (np.arange(1000, dtype=np.uint16) % 300).tofile(out / "train.bin")
         np.arange(100, dtype=np.uint16).tofile(out / "val.bin")
+    elif case.startswith("index vocabulary below its ids"):  # a hand-edited index, with or without prepare's max_id
+        index["vocab_size"] = 256
+        if case.endswith("unrecorded"):
+            for shard in index["train"] + index["eval"]:
+                del shard["max_id"]
+        (out / "index.json").write_text(json.dumps(index))
     elif case == "dtype too small":
         index["vocab_size"] = 70000
         (out / "index.json").write_text(json.dumps(index))
@@ -201,6 +224,11 @@ LOADER_CASES = [
     ("truncated shard", [], ["shard train_00001.bin holds", "truncated", "Fix: re-run python -m harness.prepare"]),
     ("index not matching", [], ["shard train_00000.bin holds", "its index says", "Fix:"]),
     ("dtype too small", ["model.vocab_size=70016"], ["its shards are uint16", "cannot hold token ids up to 69999"]),
+    (  # the largest id harness.prepare recorded per shard, against the index's vocabulary
+        "index vocabulary below its ids",
+        ["model.vocab_size=256"],
+        ["shard train_00000.bin holds token ids up to", "beyond the vocabulary of 256 its index.json says"],
+    ),
     ("vocabulary", ["model.vocab_size=256"], ["holds token ids up to 299", "Fix: model.vocab_size=300"]),
     (
         "nanogpt ids above the vocabulary",

@@ -82,7 +82,8 @@ def read_index(root: Path) -> dict:
 
 def shard_errors(root: Path, index: dict) -> list[str]:
     """Why the shards at `root` do not match their index: a missing file, a size that is not the
-    index's token count (truncated or appended to), a dtype that cannot hold the vocabulary."""
+    index's token count (truncated or appended to), a dtype that cannot hold the vocabulary, token
+    ids (as harness.prepare recorded them) beyond it."""
     dtype = np.dtype(index["dtype"])
     if index["vocab_size"] > np.iinfo(dtype).max + 1:
         return [
@@ -95,6 +96,12 @@ def shard_errors(root: Path, index: dict) -> list[str]:
         for shard in index[split]:
             path = root / shard["file"]
             expected = shard["tokens"] * dtype.itemsize
+            if shard.get("max_id", -1) >= index["vocab_size"]:  # recorded by harness.prepare
+                errors.append(
+                    f"data.path={str(root)!r}: shard {shard['file']} holds token ids up to {shard['max_id']}, "
+                    f"beyond the vocabulary of {index['vocab_size']} its {INDEX} says: the index is not these "
+                    "shards'."
+                )
             if not path.is_file():
                 errors.append(f"data.path={str(root)!r}: shard {shard['file']} listed in {INDEX} is missing.")
             elif path.stat().st_size != expected:
@@ -105,3 +112,8 @@ def shard_errors(root: Path, index: dict) -> list[str]:
     if errors:
         errors[-1] += " Fix: re-run python -m harness.prepare with the same settings (it rewrites what is wrong)."
     return errors
+
+
+class TokenIdsOutOfRange(ValueError):
+    """A batch holds a token id the model does not embed (a dataset whose index does not match its
+    shards); the message names the shard and the fix."""

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from harness import metrics
-from harness.data.shards import NANOGPT_FILES, SPLITS, read_index, shard_errors
+from harness.data.shards import NANOGPT_FILES, SPLITS, TokenIdsOutOfRange, read_index, shard_errors
 
 
 class WindowOrder:
@@ -55,9 +55,12 @@ class WindowOrder:
 
 
 class TokenFiles:
-    """One dataset's shards of one split, memory-mapped, cut into windows of `length` tokens."""
+    """One dataset's shards of one split, memory-mapped, cut into windows of `length` tokens. Every
+    window read is checked against `vocab_size` (a max over the batch, on the data thread): an index
+    that does not match its shards would otherwise fail in the embedding, with an IndexError."""
 
-    def __init__(self, paths: list[Path], dtype: np.dtype):
+    def __init__(self, paths: list[Path], dtype: np.dtype, vocab_size: int, key: str):
+        self.paths, self.vocab_size, self.key = paths, vocab_size, key
         self.maps = [np.memmap(p, dtype=dtype, mode="r") for p in paths]
         self.tokens = sum(len(m) for m in self.maps)
         self._ends: dict[int, np.ndarray] = {}
@@ -75,6 +78,14 @@ class TokenFiles:
         out = np.empty((len(window_ids), length), dtype=np.int64)
         for row, (shard, start) in enumerate(zip(shards, starts)):
             out[row] = self.maps[shard][start : start + length]
+        if len(out) and out.max() >= self.vocab_size:
+            row = int(np.argmax(out.max(axis=1) >= self.vocab_size))
+            raise TokenIdsOutOfRange(
+                f"{self.key}: shard {self.paths[shards[row]]} holds token id {int(out[row].max())}, but the model "
+                f"embeds ids below model.vocab_size={self.vocab_size}: the dataset's index does not match its "
+                "shards. Fix: re-run python -m harness.prepare for this dataset, or a model.vocab_size above "
+                "its largest id."
+            )
         return torch.from_numpy(out)
 
 
@@ -154,8 +165,8 @@ class TokenSource:
         )
 
     def open(self) -> dict[str, TokenFiles]:
-        dtype = np.dtype(self.index["dtype"])
-        return {split: TokenFiles(paths, dtype) for split, paths in self.files.items()}
+        dtype, key = np.dtype(self.index["dtype"]), f"{self.key}={str(self.root)!r}"
+        return {split: TokenFiles(paths, dtype, self.vocab_size, key) for split, paths in self.files.items()}
 
 
 class Mixture:

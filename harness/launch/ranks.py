@@ -21,6 +21,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from harness.checkpoint import CheckpointError
+from harness.data.shards import TokenIdsOutOfRange
 from harness.fault_tolerance.link import ExchangesFailed, LighthouseUnreachable
 from harness.launch.check import start_method
 from harness.launch.exit import exit_now_when_done, exit_on_exception, record_failure
@@ -177,7 +178,7 @@ def train_or_exit(cfg: DictConfig, run_dir: Path, plan: RunPlan) -> None:
         log.error("%s", e, exc_info=e.__cause__ is not None)
         record_failure(str(e))
         sys.exit(1)
-    except NonFiniteLossError as e:
+    except (NonFiniteLossError, TokenIdsOutOfRange) as e:
         log.error("%s", e)
         record_failure(str(e))
         sys.exit(1)
