@@ -18,7 +18,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from harness import metrics
-from harness.averaging import local_optimizer
+from harness.averaging import local_optimizer, step_without_update
 from harness.checkpoint import Checkpointer, checkpoint_dir, load
 from harness.config import plain
 from harness.data import TokenStream
@@ -166,13 +166,15 @@ class Trainer:
             if not job.steps_in_backward:  # the norm is also the non-finite check, on the device
                 grad_norm = clip_grad_norm_(job.model.parameters(), cfg.grad_clip)
             finite = self.nonfinite.check(step, loss, grad_norm)  # False: skipped by the host's check
+            self.checkpointer.wait_for_staging()  # an async save copies the parameters before they change
             if finite and (self.replica_group is None or self.replica_group.gradients_committed()):
-                self.checkpointer.wait_for_staging()  # an async save copies the parameters before they change
                 job.optimizer.step()  # with an averager: the local step, then maybe averaging across replicas
-                if self.replica_group is not None and step == cfg.steps:  # the run ends with the survivors' average
-                    self.replica_group.complete_the_last_exchange()
-            elif finite:  # fault tolerance: a synchronous step whose gradient exchange did not commit
-                log.warning("step %d: the gradient exchange across replica groups failed; step skipped", step)
+            else:  # a skipped step still counts, as one skipped on the device does: maybe averaging across replicas
+                if finite:  # fault tolerance: a synchronous step whose gradient exchange did not commit
+                    log.warning("step %d: the gradient exchange across replica groups failed; step skipped", step)
+                step_without_update(job.optimizer)
+            if self.replica_group is not None and step == cfg.steps:  # the run ends with the survivors' average
+                self.replica_group.complete_the_last_exchange()
             job.optimizer.zero_grad(set_to_none=True)
             lr = job.lr_schedule.lr  # the rate this step trained at, for the log
             job.lr_schedule.step()  # the learning rate is a function of the step, skipped steps included

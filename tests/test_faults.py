@@ -175,16 +175,28 @@ def test_killed_rank_is_restarted_by_torchrun_and_the_run_ends_bitwise_equal(tmp
     assert steps == sorted(steps) and loss_by_step(b) == loss_by_step(a)
 
 
+# (optimizer.fused, sharding): the host's check on FSDP2; the device's (fused SGD has no DTensor kernel: one-device
+# replicas, their gradients exchanged by the harness); the host's on DDP, whose comm hook keeps a step count of its own
+NONFINITE_PATHS = {
+    "checked on the host": ("false", "full_shard"),
+    "skipped on the device": ("true", "no_shard"),
+    "checked on the host, ddp": ("false", "ddp"),
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("fused", ["false", "true"], ids=["checked on the host", "skipped on the device"])
-def test_nonfinite_loss_stops_at_that_step_and_no_checkpoint_holds_it(fused, tmp_path, cli_env):
+@pytest.mark.parametrize("path", NONFINITE_PATHS)
+def test_nonfinite_loss_stops_at_that_step_and_no_checkpoint_holds_it(path, tmp_path, cli_env):
     """A fused optimizer skips a non-finite step on the device (its `found_inf`), and the host reads
     the check on log, eval, save and averaging steps only; the for-loop SGD is checked every step.
-    Both stop at the step (here every step logs and saves) or skip it alike."""
+    Both stop at the step (here every step logs and saves) or skip it alike, and a skipped step counts
+    in every path: with 2 replicas the averaging schedule (warmup 2, period 2) averages after steps 3 and 5
+    whichever path skipped the steps between."""
+    fused, sharding = NONFINITE_PATHS[path]
     run = tmp_path / "run"
-    blowup = ["optimizer=sgd", "optimizer.lr=1e9", "train.grad_clip=0", "averager=none"]
-    # fused SGD has no DTensor kernel: one-device replicas (their gradients exchanged by the harness)
-    blowup += ["sharding=full_shard"] if fused == "false" else ["sharding=no_shard", "optimizer.fused=true"]
+    blowup = ["optimizer=sgd", "optimizer.lr=1e9", "train.grad_clip=0", f"sharding={sharding}"]
+    blowup += ["averager=none"] if sharding == "full_shard" else ["averager.warmup_steps=2", "averager.period=2"]
+    blowup += ["optimizer.fused=true"] if fused == "true" else []
     proc = run_cli(
         [*SMALL, *blowup, "train.steps=6", "checkpoint=sharded", "checkpoint.interval=1", f"hydra.run.dir={run}"],
         cli_env,
@@ -202,28 +214,33 @@ def test_nonfinite_loss_stops_at_that_step_and_no_checkpoint_holds_it(fused, tmp
         [
             *SMALL,
             *blowup,
-            "train.steps=4",
+            "train.steps=6",
             "train.nonfinite=skip",
             "checkpoint=sharded",
             "checkpoint.interval=1",
-            "checkpoint.keep=4",
+            "checkpoint.keep=6",
             f"hydra.run.dir={skip}",
         ],
         cli_env,
         REPO,
     )
     check_ok(proc)
-    assert [r["step"] for r in read_metrics(skip) if r.get("train/skipped_nonfinite")] == [2, 3, 4]
-    # skipped steps leave the parameters as they were after step 1
+    rows = read_metrics(skip)
+    assert [r["step"] for r in rows if r.get("train/skipped_nonfinite")] == [2, 3, 4, 5, 6]
+    # skipped steps leave the parameters as they were after step 1 (the replicas' mean of equal models too)
     assert_bitwise_equal(
-        saved_state(skip / "checkpoints" / "step_4", tmp_path)["model"],
+        saved_state(skip / "checkpoints" / "step_6", tmp_path)["model"],
         saved_state(skip / "checkpoints" / "step_1", tmp_path)["model"],
     )
+    if sharding != "full_shard":  # the skipped steps counted: the averager's schedule is the steps'
+        assert [r["step"] for r in rows if r.get("averager/averaged")] == [3, 5]
+        assert rows[-1]["averager/step"] == 6
     if fused == "false":
         return
     # on the device, between log steps: the error surfaces at the next log step, naming the first bad step
     late = tmp_path / "late"
     every_4 = [o for o in SMALL if not o.startswith("train.log_every")] + ["train.log_every=4"]
+    blowup = [o for o in blowup if not o.startswith("averager")] + ["averager=none"]
     proc = run_cli([*every_4, *blowup, "train.steps=6", f"hydra.run.dir={late}"], cli_env, REPO)
     assert proc.returncode == 1
     assert "not finite (NaN/inf) at step 2" in proc.stdout and "training stopped at step 4" in proc.stdout

@@ -22,7 +22,7 @@ from harness.averaging.collectives import (
     mean_over_group,
     replica_subgroups,
 )
-from harness.averaging.cross_replica import CrossReplica, local_optimizer, setup_cross_replica
+from harness.averaging.cross_replica import CrossReplica, local_optimizer, setup_cross_replica, step_without_update
 from harness.averaging.diloco import DiLoCoAverager, OuterState, outer_step, plan_fragments
 from harness.averaging.gradient_reduction import GradientReduction
 from harness.averaging.traffic import CrossReplicaTraffic
@@ -44,4 +44,5 @@ __all__ = [
     "plan_fragments",
     "replica_subgroups",
     "setup_cross_replica",
+    "step_without_update",
 ]

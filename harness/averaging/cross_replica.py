@@ -60,6 +60,16 @@ def setup_cross_replica(
     return optimizer, CrossReplica(traffic, averager, ddp_state, link)
 
 
+def step_without_update(optimizer: torch.optim.Optimizer) -> None:
+    """A step whose local update is skipped (its loss or gradients were not finite, checked on the host; or,
+    under fault tolerance, its gradient exchange did not commit) still counts, as a step a fused optimizer
+    skips on the device does (its `found_inf`): the averager's schedule goes on, an averaging due at this step
+    included. One clock for every path: a replica that skips a step alone still meets its peers at every
+    exchange, and the averager's step stays the one DDP's comm hook and the learning-rate schedule count."""
+    if isinstance(optimizer, PostLocalSGDOptimizer):
+        optimizer.averager.average_parameters(params=optimizer.param_groups)
+
+
 def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The local optimizer: the one inside `PostLocalSGDOptimizer` when averaging, else `optimizer` itself."""
     return optimizer.optim if isinstance(optimizer, PostLocalSGDOptimizer) else optimizer
