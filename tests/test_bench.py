@@ -65,6 +65,23 @@ def test_bench_smoke(script, tmp_path):
     assert stdout.rstrip().endswith(f"bench/{script}: done"), f"no table, or not to its end\n{output}"
 
 
+# (bench, its arguments, what its message says): the flag the user passed, and the fix
+BAD_ARGUMENTS = [
+    ("gpu.py", ["--models", "gpt2"], ["--models gpt2: gpt2 is not one of this device's models", "Fix: --models gpt,"]),
+    ("overhead.py", ["--nproc", "0"], ["argument --nproc: must be >= 1, got 0"]),  # it named launcher.nproc
+]
+
+
+@pytest.mark.parametrize("script,args,expected", BAD_ARGUMENTS, ids=[f"{b[0]} {' '.join(b[1])}" for b in BAD_ARGUMENTS])
+def test_a_bench_refuses_a_bad_argument_naming_its_flag(script, args, expected, tmp_path):
+    proc = subprocess.run(
+        [sys.executable, f"bench/{script}", *args], cwd=REPO, env=base_env(tmp_path), capture_output=True, text=True
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and all(text in out for text in expected), out
+    assert "Traceback" not in out
+
+
 def test_quality_compares_over_seeds_against_their_spread():
     """The smoke runs one seed; bench/quality.py's comparison over several, by its own function."""
     sys.path.insert(0, str(REPO / "bench"))
