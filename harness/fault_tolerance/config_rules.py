@@ -136,10 +136,12 @@ def quiet_torchft() -> None:
     flight recorder): errors only (its Rust side through RUST_LOG), so a group's joins, leaves, heals
     and failed exchanges are the harness's own log lines; and each error as its first line, without
     the traceback and C++ frames a failed collective carries (the harness says what it did about it).
-    c10d's C++ warnings (a peer's closed connection, with some 30 lines of C++ frames) too: read when torch
-    loads, so in the processes started after this call (the replica groups' supervisors and their ranks)."""
+    c10d's C++ log lines too (a peer's closed connection, a connect that timed out, each with some 30
+    lines of C++ frames), but fatal ones: each such failure also reaches the harness as an exception,
+    which it reports in one line. Read when torch loads, so in the processes started after this call
+    (the replica groups' supervisors and their ranks)."""
     os.environ.setdefault("RUST_LOG", "error")
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
     # a logger's filters see only its own records, not its children's: each module's logger by name
     for name in ("torchft", *TORCHFT_MODULE_LOGGERS, "torchft_commits", "torchft_quorums", "torchft_errors"):
         logger = logging.getLogger(name)

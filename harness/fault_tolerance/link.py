@@ -106,6 +106,10 @@ class ExchangesFailed(RuntimeError):
     """`fault_tolerance.max_failed_exchanges` exchanges in a row did not commit; the message names the fix."""
 
 
+class CommitUnknown(RuntimeError):
+    """This rank did not hear its group's commit vote: the group restarts (and is healed), as in torchft."""
+
+
 class QuorumFailed(RuntimeError):
     """A quorum was asked for and not given; the Manager can be asked again."""
 
@@ -225,9 +229,9 @@ class TorchftLink:
             # the group's ranks vote, and this one did not hear the outcome: its peers in the group may have
             # committed, so it fails and its group restarts, to be healed from a peer (as in torchft)
             self.exchange_failed(e)
-            raise RuntimeError(
+            raise CommitUnknown(
                 f"should_commit did not answer within fault_tolerance.timeout_s={self.ft.timeout_s} s: this rank "
-                "cannot tell whether its replica group committed"
+                "cannot tell whether its replica group committed, so the group restarts and is healed from a peer"
             ) from e
         self.commits += committed
         if committed:

@@ -22,7 +22,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from harness.checkpoint import CheckpointError
 from harness.data.shards import TokenIdsOutOfRange
-from harness.fault_tolerance.link import ExchangesFailed, LighthouseUnreachable
+from harness.fault_tolerance.link import CommitUnknown, ExchangesFailed, LighthouseUnreachable
 from harness.launch.check import start_method
 from harness.launch.exit import exit_now_when_done, exit_on_exception, record_failure
 from harness.launch.logs import setup_logging
@@ -178,7 +178,7 @@ def train_or_exit(cfg: DictConfig, run_dir: Path, plan: RunPlan) -> None:
         log.error("%s", e, exc_info=e.__cause__ is not None)
         record_failure(str(e))
         sys.exit(1)
-    except (NonFiniteLossError, TokenIdsOutOfRange) as e:
+    except (NonFiniteLossError, TokenIdsOutOfRange, CommitUnknown) as e:  # one paragraph says it all
         log.error("%s", e)
         record_failure(str(e))
         sys.exit(1)
