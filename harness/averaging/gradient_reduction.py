@@ -151,7 +151,6 @@ class GradientReduction:
             grads = [g for g in bucket.grads if g is not None]
             torch._foreach_copy_(grads, [s for g, s in zip(bucket.grads, bucket.slots) if g is not None])
             bucket.grads, bucket.mean = [], None
-        self.graph_task = NO_GRAPH_TASK
 
     def _drop_unfinished(self) -> None:
         """A backward that raised before its end: wait for the means it started (their buffers are
