@@ -137,6 +137,7 @@ def run_cli(
     args: list[str],
     env: dict,
     cwd: Path,
+    *,
     torchrun_nproc: int | None = None,
     script: Path = TRAIN,
     timeout: int = 240,
@@ -144,7 +145,9 @@ def run_cli(
     ranks: int | None = None,
 ) -> subprocess.CompletedProcess:
     """`python script args` (or under `torchrun`, or as `ranks` ranks of the harness's own
-    launcher: tests/probes/local_ranks.py) in `cwd` with `env`. Without torchrun the
+    launcher: tests/probes/local_ranks.py) in `cwd` with `env`. The options are keyword-only: a
+    timeout passed in torchrun_nproc's place once started 600 ranks on a one-GPU machine, which ran
+    out of host memory and stopped answering. Without torchrun the
     command is forked from the zygote above unless `fresh` (a test of the interpreter's own
     start, e.g. an import that fails) or its environment needs a fresh interpreter."""
     if ranks:

@@ -101,7 +101,9 @@ def test_compiled_runs_follow_the_eager_run_and_report_mfu(layout, tmp_path, cli
     common = [*FAST, "train.device=cuda", "averager=none", "model=gpt", "sharding.param_dtype=float32", *layout]
     runs = {}
     for compiled in ("true", "false"):
-        proc = run_cli([*common, f"train.compile={compiled}", f"hydra.run.dir={compiled}"], cli_env, tmp_path, 600)
+        proc = run_cli(
+            [*common, f"train.compile={compiled}", f"hydra.run.dir={compiled}"], cli_env, tmp_path, timeout=600
+        )
         check_ok(proc)
         runs[compiled] = [r for r in read_metrics(tmp_path / compiled) if "train/loss" in r]
     assert [r["train/loss"] for r in runs["true"]] == pytest.approx([r["train/loss"] for r in runs["false"]], rel=1e-3)
