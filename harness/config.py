@@ -87,6 +87,16 @@ class CommDType(Choice):
     float8_e4m3fn = "float8_e4m3fn"  # the same in float8 (torch builds that have the dtype)
 
 
+class Balance(Choice):
+    steps = "steps"  # every replica takes `averager.period` local steps between exchanges
+    time = "time"  # each takes as many as it can in the fastest replica's `period` steps (harness/averaging/pace.py)
+
+
+class PeriodSchedule(Choice):
+    fixed = "fixed"  # `averager.period` throughout
+    adacomm = "adacomm"  # from `averager.period`, shortened as the training loss falls (AdaComm)
+
+
 class OuterDevice(Choice):
     device = "device"  # the rank's own device (the GPU on CUDA)
     cpu = "cpu"  # host memory: frees the device of the outer copy and state, costs a copy per sync
@@ -357,12 +367,21 @@ class StepLRConf:
 
 
 @dataclass
-class NoAveragerConf:
+class PaceConf:
+    """How many local steps each replica takes between exchanges (`harness/averaging/pace.py`)."""
+
+    balance: Balance = Balance.steps  # time: local steps balanced by each replica's measured speed
+    period_schedule: PeriodSchedule = PeriodSchedule.fixed  # adacomm: the period follows the training loss
+    min_period: int = 1  # adacomm never shortens the period below this
+
+
+@dataclass
+class NoAveragerConf(PaceConf):  # the pace keys only to refuse them by name (harness/averaging/config_rules.py)
     _target_: Optional[str] = None  # synchronous: gradients are averaged across replicas every step
 
 
 @dataclass
-class PeriodicAveragerConf:
+class PeriodicAveragerConf(PaceConf):
     _target_: str = "harness.averaging.ReplicaAverager"
     period: int = 4  # average parameters across replicas every `period` steps ...
     warmup_steps: int = 10  # ... after this many fully synchronous steps
@@ -370,7 +389,7 @@ class PeriodicAveragerConf:
 
 
 @dataclass
-class HierarchicalAveragerConf:
+class HierarchicalAveragerConf(PaceConf):
     _target_: str = "harness.averaging.HierarchicalReplicaAverager"
     # [period, replicas per group] pairs: PyTorch's HierarchicalModelAverager
     # `period_group_size_dict` as a list, because Hydra merges a dict override
@@ -383,7 +402,7 @@ class HierarchicalAveragerConf:
 
 
 @dataclass
-class DiLoCoAveragerConf:
+class DiLoCoAveragerConf(PaceConf):
     """DiLoCo (arXiv 2311.08105): every `period` steps the replicas' mean change
     is the gradient of one outer-optimizer step; Streaming DiLoCo's fragments
     (arXiv 2501.18512) spread that sync over the period."""

@@ -133,11 +133,11 @@ def node_of_each_rank() -> list[int]:
     return nodes
 
 
-def true_on_every_rank(flag: torch.Tensor) -> bool:
-    """Whether a local boolean holds on every rank (one 1-element all-reduce), so
-    all ranks take the same branch and no rank waits alone in a collective."""
+def true_on_every_rank(flag: torch.Tensor, group: dist.ProcessGroup | None = None) -> bool:
+    """Whether a local boolean holds on every rank (of `group`; default all), one 1-element
+    all-reduce, so all ranks take the same branch and no rank waits alone in a collective."""
     agreed = flag.to(torch.int32).reshape(1)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
     return bool(agreed.item())
 
 

@@ -9,8 +9,9 @@ import torch
 from omegaconf import DictConfig
 from torch.distributed.device_mesh import DeviceMesh
 
-from harness.averaging import CrossReplica, GradientReduction, local_optimizer, setup_cross_replica
+from harness.averaging import CrossReplica, GradientReduction, RunLength, local_optimizer, setup_cross_replica
 from harness.averaging.link import ReplicaLink
+from harness.averaging.pace import PacedData
 from harness.data import TokenStream, build_data
 from harness.dist import DistEnv
 from harness.lr_schedules import LRSchedule, build_lr_schedule
@@ -113,8 +114,16 @@ def build_job(cfg: DictConfig, env: DistEnv, plan: RunPlan, link: ReplicaLink | 
         reduction = GradientReduction(model, reduce_dtype, bucket_bytes)
     optimizer = build_local_optimizer(cfg.optimizer, model.parameters(), env.device)
     lr_schedule = build_lr_schedule(cfg.lr_scheduler, optimizer, cfg.train.steps)
+    # one replica's samples per local step: its ranks' batches, all micro-batches
+    run = RunLength(cfg.train.steps, cfg.train.batch_size * cfg.train.grad_accum * plan.shard)
     optimizer, cross_replica = setup_cross_replica(
-        model, optimizer, mesh, cfg.averager, plan.averaging, link, reduction
+        model, optimizer, mesh, cfg.averager, plan.averaging, link, reduction, run
     )
     data = build_data(cfg, plan.rank_in_mesh(env.rank), plan.world_size, env.device)
+    pace = cross_replica.pace if cross_replica is not None else None
+    if pace is not None and pace.balances:  # each replica reads at its own pace
+        rank_samples = cfg.train.batch_size * cfg.train.grad_accum
+        data.paced = PacedData(
+            cross_replica.averager, mesh["shard"].get_local_rank(), rank_samples, run.samples_per_step
+        )
     return Job(model, optimizer, data, mesh, cross_replica, lr_schedule, flops_per_token, reduction)

@@ -34,6 +34,7 @@ from harness.plan import RunPlan
 from harness.profiling import StepProfiler
 from harness.rng import seed_rank
 from harness.sinks import MetricsSink
+from harness.slowdown import slowdown_for
 from harness.throughput import memory_metrics, peak_flops
 
 log = logging.getLogger(__name__)
@@ -111,6 +112,10 @@ class Trainer:
             cfg.train.nonfinite, local_optimizer(job.optimizer), env.device, cfg.train.log_every, job.steps_in_backward
         )
         self.state = TrainState()
+        pace = job.cross_replica.pace if job.cross_replica is not None else None
+        # averager.balance=time: replicas take their own number of local steps; they meet at exchanges
+        self.pace = pace if pace is not None and pace.balances else None
+        self.slowdown = slowdown_for(job.mesh["replicate"].get_local_rank())  # tests and benches only
         self.profiler = None
         if resume_from is not None:
             try:
@@ -156,17 +161,27 @@ class Trainer:
         job, cfg, state = self.job, self.cfg, self.state
         until = cfg.steps if until is None else min(until, cfg.steps)
         self._clock = time.perf_counter(), state.step
+        self._last_met = state.step  # the last step every rank took together (log, eval and save fall on those)
         while state.step < until:
             if self.replica_group is not None:  # a quorum, when this step crosses replicas; a heal sets state.step
                 self.replica_group.before_step()
-            step = state.step + 1
-            log_step = step == 1 or step % cfg.log_every == 0 or step == cfg.steps
+            since, synchronous = state.step, job.cross_replica is None or job.cross_replica.synchronous
+            step = self._step_after(since)
+            if self.slowdown is not None:
+                self.slowdown.begin()
             loss = self._forward_backward()
             grad_norm = None  # in backward each gradient was freed once its parameter stepped
             if not job.steps_in_backward:  # the norm is also the non-finite check, on the device
                 grad_norm = clip_grad_norm_(job.model.parameters(), cfg.grad_clip)
-            finite = self.nonfinite.check(step, loss, grad_norm)  # False: skipped by the host's check
+            if self.slowdown is not None:
+                self.slowdown.after_compute(self.env.device)
+            local = self.pace is not None and not synchronous  # balance=time: this replica's ranks alone agree
+            finite = self.nonfinite.check(  # False: skipped by the host's check
+                self._local_step() if local else step, loss, grad_norm, job.mesh.get_group("shard") if local else None
+            )
             self.checkpointer.wait_for_staging()  # an async save copies the parameters before they change
+            if job.cross_replica is not None and job.cross_replica.pace is not None:
+                job.cross_replica.pace.loss = loss  # the period's length may follow it (adacomm)
             if finite and (self.replica_group is None or self.replica_group.gradients_committed()):
                 job.optimizer.step()  # with an averager: the local step, then maybe averaging across replicas
             else:  # a skipped step still counts, as one skipped on the device does: maybe averaging across replicas
@@ -177,11 +192,23 @@ class Trainer:
                 self.replica_group.complete_the_last_exchange()
             job.optimizer.zero_grad(set_to_none=True)
             lr = job.lr_schedule.lr  # the rate this step trained at, for the log
-            job.lr_schedule.step()  # the learning rate is a function of the step, skipped steps included
+            for _ in range(step - since):  # the learning rate is a function of the step, skipped steps included
+                job.lr_schedule.step()
             state.step = step
-            self._after_step(step, log_step, loss, grad_norm, lr, finite)
+            self._after_step(since, step, loss, grad_norm, lr, finite, synchronous)
             if self.profiler is not None:
                 self.profiler.step()
+
+    def _step_after(self, since: int) -> int:
+        """The run's step once this step is taken: the next, or with `averager.balance=time` the global
+        step the replicas' local steps add up to (`Pace.global_step`: it may stay, or move by several)."""
+        if self.pace is None:
+            return since + 1
+        return self.pace.global_step(self.job.cross_replica.averager.step + 1)
+
+    def _local_step(self) -> int:
+        """With `averager.balance=time`: the step this replica is taking, counted by itself (1-based)."""
+        return self.job.cross_replica.averager.step + 1
 
     def _forward_backward(self) -> torch.Tensor:
         """Forward and backward over the step's `train.grad_accum` micro-batches, each
@@ -201,20 +228,42 @@ class Trainer:
         return loss
 
     def _after_step(
-        self, step: int, log_step: bool, loss: torch.Tensor, grad_norm: torch.Tensor | None, lr: float, finite: bool
+        self,
+        since: int,
+        step: int,
+        loss: torch.Tensor,
+        grad_norm: torch.Tensor | None,
+        lr: float,
+        finite: bool,
+        synchronous: bool,
     ) -> None:
         """Eval and checkpoint when due; log this step's row on log steps and on
-        steps where something happened (averaging, eval, a save, a skipped step)."""
+        steps where something happened (averaging, eval, a save, a skipped step).
+        With `averager.balance=time` these fall only where every rank meets: an
+        exchange, a synchronous step, the last step."""
         job, cfg = self.job, self.cfg
         averaged = job.cross_replica is not None and job.cross_replica.averaged_this_step
+        if self.pace is not None and not (averaged or synchronous or step == cfg.steps):
+            if not finite:  # the host's check skipped it: a row of rank 0's own
+                self.sink.log({metrics.TRAIN_SKIPPED_NONFINITE: 1}, step)
+            return
+        met = self._last_met if self.pace is not None else since  # a heal may have moved `since`
+        self._last_met = step
+
+        def reached(every: int) -> bool:  # a multiple of `every` since the last meeting
+            return every > 0 and (step // every > met // every or step == cfg.steps)
+
+        log_step = met == 0 or reached(cfg.log_every)
         row = {}
-        evaluated = cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == cfg.steps)
-        waits = log_step or averaged or evaluated or self.checkpointer.due(step, cfg.steps)  # the host waits anyway
-        if waits or self.nonfinite.due(step):
-            row.update(self.nonfinite.report(step))  # train.nonfinite=error raises here, before eval and save
+        evaluated = reached(cfg.eval_every)
+        saving = self.checkpointer.due(step, cfg.steps, met)
+        waits = log_step or averaged or evaluated or saving  # the host waits anyway
+        report_step = self._local_step() if self.pace is not None and not synchronous else step
+        if waits or self.nonfinite.due(report_step):
+            row.update(self.nonfinite.report(report_step))  # train.nonfinite=error raises here, before eval and save
         if evaluated:
             row.update(evaluate(job.model, job.data, cfg.eval_batches))
-        saved = self.checkpointer.after_step(job, step, cfg.steps)
+        saved = self.checkpointer.after_step(job, step, cfg.steps, met)
         row.update(saved)
         if not finite:
             row[metrics.TRAIN_SKIPPED_NONFINITE] = 1

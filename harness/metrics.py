@@ -128,6 +128,27 @@ AVERAGER_OUTER_LR = Metric("averager/outer_lr", "", SYNC + " (DiLoCo)", "the out
 AVERAGER_FRAGMENT = Metric(
     "averager/fragment", "", SYNC + " (DiLoCo)", "the fragment synced (0 without `averager.fragments`)"
 )
+EXCHANGE = "exchanges, with `averager.balance=time` or `averager.period_schedule=adacomm`"
+AVERAGER_PERIOD = Metric(
+    "averager/period", "steps", EXCHANGE, "the period in force up to this exchange (adacomm: the one it shortens)"
+)
+REPLICA_LOCAL_STEPS = Metric(
+    "replica/local_steps/*", "steps", EXCHANGE, "local steps replica `*` took since the previous exchange"
+)
+REPLICA_STEP_TIME = Metric(
+    "replica/step_time_s/*",
+    "s",
+    EXCHANGE,
+    "replica `*`'s wall time per local step since the previous exchange (the exchange itself excluded)",
+)
+REPLICA_WAIT = Metric(
+    "replica/wait_s/*",
+    "s",
+    EXCHANGE,
+    "time replica `*` waited at this exchange for the last replica to arrive: the straggler cost "
+    "(from the hosts' clocks)",
+)
+REPLICA_SAMPLES = Metric("replica/samples/*", "samples", EXCHANGE, "samples replica `*` trained so far")
 CHECKPOINT_MODE = Metric(
     "checkpoint/mode", "", SAVE, "`checkpoint.mode` (`full` or `sharded`), as meta.json records it"
 )

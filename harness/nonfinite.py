@@ -73,10 +73,12 @@ class NonFiniteGuard:
         that shares the gradients. The host's check reads the loss itself."""
         loss.backward(loss.detach() * 0 + 1 if self.on_device else None)
 
-    def check(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> bool:
+    def check(
+        self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | None, group: dist.ProcessGroup | None = None
+    ) -> bool:
         """Whether the optimizer may step. On the device: always (a non-finite step is
-        skipped there); on the host: the step's check, agreed by every rank, raising for
-        `error` and logging for `skip`."""
+        skipped there); on the host: the step's check, agreed by every rank (of `group`: those
+        that took this step together), raising for `error` and logging for `skip`."""
         if self.on_device:
             flag = self.flags[step % len(self.flags)]
             # 0·x is 0 for a finite x and NaN for NaN and ±inf: not finite in two ops (isfinite is four, + a not)
@@ -86,7 +88,7 @@ class NonFiniteGuard:
         finite = torch.isfinite(loss.detach()).all()
         if grad_norm is not None:
             finite &= torch.isfinite(grad_norm)
-        if true_on_every_rank(finite):
+        if true_on_every_rank(finite, group):
             return True
         self._handle(step, [step])
         return False

@@ -164,6 +164,36 @@ SETTLED = [
         ["fault_tolerance=torchft", "sharding=no_shard", "fault_tolerance.max_failed_exchanges=0"],
         ["fault_tolerance.max_failed_exchanges=0 must be >= 1", "Fix:"],
     ),
+    (  # the pace's rules (harness/averaging/config_rules.py pace_errors)
+        "balance by time without an averager",
+        ["sharding=no_shard", "averager=none", "averager.balance=time"],
+        ["averager.balance=time with averager=none", "Fix: averager=periodic (or diloco) with averager.balance=time"],
+    ),
+    (
+        "min period above the period",
+        ["sharding=no_shard", "averager=periodic", "averager.period=4", "averager.min_period=8"],
+        ["averager.min_period=8 is above averager.period=4", "Fix: averager.min_period between 1 and 4"],
+    ),
+    (
+        "adacomm from a period of 1",
+        ["sharding=no_shard", "averager=periodic", "averager.period=1", "averager.period_schedule=adacomm"],
+        ["averager.period_schedule=adacomm with averager.period=1", "Fix: a longer starting period"],
+    ),
+    (
+        "balance by time in a hierarchy",
+        ["sharding=no_shard", "averager=hierarchical", "averager.balance=time"],
+        ["averager.balance=time with averager=hierarchical", "Fix: averager=periodic or averager=diloco"],
+    ),
+    (
+        "adacomm with streaming fragments",
+        ["sharding=no_shard", "averager=diloco", "averager.fragments=2", "averager.period_schedule=adacomm"],
+        ["averager.period_schedule=adacomm with averager.fragments=2", "Fix: averager.fragments=1"],
+    ),
+    (
+        "balance by time under fault tolerance",
+        ["fault_tolerance=torchft", "sharding=no_shard", "averager.balance=time"],
+        ["averager.balance=time with fault_tolerance=torchft", "Fix: fault_tolerance=none"],
+    ),
     ("peak flops not a number", ["train.peak_tflops=nan"], ["train.peak_tflops=nan must be positive", "Fix:"]),
     ("wandb timeout negative", ["wandb.init_timeout_s=-5"], ["wandb.init_timeout_s=-5.0 must be a positive", "Fix:"]),
 ]

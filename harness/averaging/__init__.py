@@ -14,7 +14,7 @@ replicate (sub)group (`collectives`), counting the bytes (`traffic`).
 The averager's `step` and `warmup_steps` are the one clock all of them read.
 """
 
-from harness.averaging.averagers import HierarchicalReplicaAverager, ReplicaAverager
+from harness.averaging.averagers import HierarchicalReplicaAverager, ReplicaAverager, RunLength
 from harness.averaging.collectives import (
     BUCKET_BYTES,
     average_local_shards,
@@ -36,6 +36,7 @@ __all__ = [
     "HierarchicalReplicaAverager",
     "OuterState",
     "ReplicaAverager",
+    "RunLength",
     "average_local_shards",
     "buckets",
     "local_optimizer",

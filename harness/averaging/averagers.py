@@ -10,6 +10,7 @@ checkpoint read (`synchronous`, `diverged`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.algorithms.model_averaging.averagers import ModelAverager
@@ -19,7 +20,16 @@ from harness import metrics
 from harness.averaging import config_rules, schedule
 from harness.averaging.collectives import average_local_shards, replica_subgroups
 from harness.averaging.link import MeshLink, ReplicaLink
+from harness.averaging.pace import Pace
 from harness.averaging.traffic import CrossReplicaTraffic
+
+
+@dataclass(frozen=True)
+class RunLength:
+    """What a `Pace` needs of the run besides the averager's keys."""
+
+    steps: int  # train.steps
+    samples_per_step: int  # one replica's samples per local step (batch × grad_accum × its ranks)
 
 
 class ReplicaAverager(ModelAverager):
@@ -45,6 +55,10 @@ class ReplicaAverager(ModelAverager):
         traffic: CrossReplicaTraffic,
         comm_dtype: str = "float32",
         link: ReplicaLink | None = None,
+        balance: str = "steps",
+        period_schedule: str = "fixed",
+        min_period: int = 1,
+        run: RunLength | None = None,
     ):
         super().__init__(mesh.get_group("replicate"))
         self.period, self.warmup_steps, self.traffic = period, warmup_steps, traffic
@@ -53,6 +67,27 @@ class ReplicaAverager(ModelAverager):
         self.link = link or MeshLink(self.process_group)
         # this step's exchange, to redo, when it did not commit (fault tolerance: a replica was lost in it)
         self.uncommitted: Callable[[], None] | None = None
+        # local steps that differ between replicas or periods; None: `period` steps each (periodic_due)
+        self.pace = None
+        if str(balance) != "steps" or str(period_schedule) != "fixed":
+            self.pace = Pace(
+                period,
+                warmup_steps,
+                run.steps,
+                balance,
+                period_schedule,
+                min_period,
+                mesh["replicate"].size(),
+                mesh["replicate"].get_local_rank(),
+                mesh["shard"].get_local_rank() == 0,
+                run.samples_per_step,
+                torch.device(mesh.device_type),
+                first_local_steps=self.first_local_steps(),
+            )
+
+    def first_local_steps(self) -> int:
+        """The local steps before the first exchange: post-local SGD averages after the first (periodic_due)."""
+        return 1
 
     @property
     def synchronous(self) -> bool:
@@ -74,17 +109,23 @@ class ReplicaAverager(ModelAverager):
         return self.synchronous or self.group_to_average() is not None
 
     def group_to_average(self) -> ReplicaLink | None:
+        if self.pace is not None:
+            return self.link if self.pace.due(self.step) else None
         return self.link if schedule.periodic_due(self.step, self.warmup_steps, self.period) else None
 
     def average_parameters(self, params) -> None:
         self.uncommitted = None
         group = self.group_to_average()
         if group is not None:
-            self._average(params, group)
+            scale = self.pace.weights(self.pace.exchange(self.step)) if self.pace is not None else None
+            self._average(params, group, scale)
+            if self.pace is not None:
+                self.traffic.averaged = {**(self.traffic.averaged or {}), **self.pace.row}
+                self.pace.restart_clock()
         self.step += 1
 
-    def _average(self, params, group: ReplicaLink) -> None:
-        time_s, nbytes, drift = average_local_shards(params, group, self.comm_dtype)
+    def _average(self, params, group: ReplicaLink, scale: float | None = None) -> None:
+        time_s, nbytes, drift = average_local_shards(params, group, self.comm_dtype, scale)
         self.traffic.add_averaging(nbytes)
         if drift is None:  # a fault-tolerant sync that did not commit: nothing was averaged
             self.uncommitted = lambda: self._average(params, group)
@@ -111,8 +152,14 @@ class HierarchicalReplicaAverager(ReplicaAverager):
         mesh: DeviceMesh,
         traffic: CrossReplicaTraffic,
         comm_dtype: str = "float32",
+        balance: str = "steps",  # the pace keys: refused unless their defaults (config_rules)
+        period_schedule: str = "fixed",
+        min_period: int = 1,
+        run: RunLength | None = None,
     ):
-        super().__init__(max(p for p, _ in period_group_size), warmup_steps, mesh, traffic, comm_dtype)
+        period = max(p for p, _ in period_group_size)
+        pace = {"balance": balance, "period_schedule": period_schedule, "min_period": min_period, "run": run}
+        super().__init__(period, warmup_steps, mesh, traffic, comm_dtype, **pace)
         self.period_groups = {int(p): MeshLink(replica_subgroups(mesh, int(g))) for p, g in period_group_size}
 
     def group_to_average(self) -> ReplicaLink | None:

@@ -18,9 +18,11 @@ BUCKET_BYTES = 64 * 2**20  # cap on one flat all-reduce buffer
 
 @torch.no_grad()
 def average_local_shards(
-    params, group: ReplicaLink | dist.ProcessGroup, comm_dtype: torch.dtype
+    params, group: ReplicaLink | dist.ProcessGroup, comm_dtype: torch.dtype, scale: float | None = None
 ) -> tuple[float, int, float | None]:
-    """Average the local shards of `params` (tensors or param groups) over `group`, in place.
+    """Average the local shards of `params` (tensors or param groups) over `group`, in place;
+    with `scale`, each member's shards are scaled by its own `scale` first (a weighted mean:
+    `Pace.weights`).
 
     Returns (seconds, bytes sent, drift), where drift is how far the members
     had drifted apart just before: sqrt(sum ||x_r - mean||^2 / sum ||mean||^2)
@@ -39,7 +41,7 @@ def average_local_shards(
     for indices in buckets(tensors):
         bucket = [tensors[i] for i in indices]
         local = torch.cat([t.reshape(-1) for t in bucket])
-        mean = local.clone()
+        mean = local.clone() if scale is None else local * scale
         nbytes += mean_over_group(mean, link, comm_dtype)
         deviation[0] += local.sub_(mean).pow_(2).sum()
         deviation[1] += mean.square().sum()

@@ -22,11 +22,65 @@ def default_outer_lr() -> float:
 
 def periodic_errors(cfg: DictConfig, replicas: int) -> list[str]:
     """Why `cfg` (the whole config) cannot average over `replicas` replicas every `averager.period` steps."""
-    return _period_errors(cfg.averager) + _warmup_errors(cfg.averager) + _comm_dtype_errors(cfg.averager)
+    avg = cfg.averager
+    return _period_errors(avg) + _warmup_errors(avg) + _comm_dtype_errors(avg) + pace_errors(cfg)
+
+
+def varies(avg: DictConfig) -> str | None:
+    """The override that makes local steps vary between replicas or periods (a `Pace`), or None."""
+    if str(avg.get("balance", "steps")) != "steps":
+        return f"averager.balance={avg.balance}"
+    if str(avg.get("period_schedule", "fixed")) != "fixed":
+        return f"averager.period_schedule={avg.period_schedule}"
+    return None
+
+
+def pace_errors(cfg: DictConfig) -> list[str]:
+    """`averager.balance`, `averager.period_schedule` and `averager.min_period` (harness/averaging/pace.py)."""
+    avg, errors = cfg.averager, []
+    if avg.min_period < 1:
+        errors.append(
+            f"averager.min_period={avg.min_period} is out of range: it must be >= 1. Fix: averager.min_period=1."
+        )
+    elif "period" in avg and avg.period >= 1 and avg.min_period > avg.period:
+        errors.append(
+            f"averager.min_period={avg.min_period} is above averager.period={avg.period}: the period starts at "
+            f"averager.period and adacomm only shortens it. Fix: averager.min_period between 1 and {avg.period}, "
+            f"or averager.period={avg.min_period} or more."
+        )
+    if str(avg.period_schedule) == "adacomm" and avg.get("period") == 1:
+        errors.append(
+            "averager.period_schedule=adacomm with averager.period=1: AdaComm starts at the period and shortens it, "
+            "and 1 cannot be shortened, so this would be a fixed period of 1. Fix: a longer starting period (e.g. "
+            "averager.period=32; AdaComm starts long), or averager.period_schedule=fixed."
+        )
+    what = varies(avg)
+    if what is None:
+        return errors
+    if "period_group_size" in avg:
+        errors.append(
+            f"{what} with averager=hierarchical: its groups average at several periods "
+            "(averager.period_group_size), which one pace cannot plan. Fix: averager=periodic or averager=diloco, "
+            "or averager.balance=steps averager.period_schedule=fixed."
+        )
+    if avg.get("fragments", 1) > 1 or avg.get("sync_delay", 0) > 0:
+        errors.append(
+            f"{what} with averager.fragments={avg.fragments} averager.sync_delay={avg.sync_delay}: Streaming "
+            "DiLoCo's fragments sync at fixed offsets inside the period, which a period that varies does not "
+            "have (not built). Fix: averager.fragments=1 averager.sync_delay=0, or averager.balance=steps "
+            "averager.period_schedule=fixed."
+        )
+    if cfg.get("fault_tolerance") is not None and str(cfg.fault_tolerance.get("mode", "none")) != "none":
+        errors.append(
+            f"{what} with fault_tolerance={cfg.fault_tolerance.mode}: replica groups meet through torchft's "
+            "Manager, which has no place for the figures each exchange plans the next period from (not built). "
+            "Fix: fault_tolerance=none, or averager.balance=steps averager.period_schedule=fixed."
+        )
+    return errors
 
 
 def hierarchical_errors(cfg: DictConfig, replicas: int) -> list[str]:
-    cfg = cfg.averager
+    whole, cfg = cfg, cfg.averager
     pairs = [list(pair) for pair in cfg.period_group_size]
     key = f"averager.period_group_size={pairs}".replace(" ", "")
     example = (
@@ -45,7 +99,7 @@ def hierarchical_errors(cfg: DictConfig, replicas: int) -> list[str]:
     if sizes and sizes[-1] != replicas:
         problems.append(f"the largest period must average all {replicas} replicas (last group size = {replicas})")
     errors = [f"{key} is not a valid hierarchy: {'; '.join(problems)}. Fix: e.g. {example}."] if problems else []
-    return errors + _warmup_errors(cfg) + _comm_dtype_errors(cfg)
+    return errors + _warmup_errors(cfg) + _comm_dtype_errors(cfg) + pace_errors(whole)
 
 
 def diloco_errors(cfg: DictConfig, replicas: int) -> list[str]:

@@ -14,10 +14,11 @@ from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostL
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.optim import PostLocalSGDOptimizer
 
-from harness.averaging.averagers import ReplicaAverager
+from harness.averaging.averagers import ReplicaAverager, RunLength
 from harness.averaging.gradient_reduction import GradientReduction
 from harness.averaging.hooks import count_synchronous_gradients, reduce_over_replicas, sync_gradients_during_warmup
 from harness.averaging.link import ReplicaLink
+from harness.averaging.pace import Pace
 from harness.averaging.traffic import CrossReplicaTraffic
 
 
@@ -29,11 +30,13 @@ def setup_cross_replica(
     averaging: bool,
     link: ReplicaLink | None = None,
     reduction: GradientReduction | None = None,
+    run: RunLength | None = None,
 ) -> tuple[torch.optim.Optimizer, CrossReplica | None]:
     """Wire gradient sync and parameter averaging across replicas for `cfg` (= cfg.averager);
     `averaging`: the run's plan has an averager (`RunPlan.averaging`), else it is synchronous;
     `link`: the replicas' link when they are not on this mesh (fault tolerance);
-    `reduction`: a replica of one device's gradient reduction, else the model's own (FSDP2, DDP).
+    `reduction`: a replica of one device's gradient reduction, else the model's own (FSDP2, DDP);
+    `run`: the run's length and batch, for an averager whose local steps vary (`Pace`).
 
     Returns the optimizer to step (PostLocalSGDOptimizer when averaging) and
     the object that reports this step's cross-replica figures, or None when
@@ -54,7 +57,7 @@ def setup_cross_replica(
     wants_model = "model" in inspect.signature(build.func).parameters  # DiLoCo: its own copy of the parameters
     # the link only under fault tolerance: an averager of one world needs no `link` argument
     extra = {**({"model": model} if wants_model else {}), **({"link": link} if link is not None else {})}
-    averager = build(mesh=mesh, traffic=traffic, **extra)
+    averager = build(mesh=mesh, traffic=traffic, run=run, **extra)
     ddp_state = sync_gradients_during_warmup(model, mesh, averager, traffic, reduction)
     optimizer = PostLocalSGDOptimizer(optim=optimizer, averager=averager)
     return optimizer, CrossReplica(traffic, averager, ddp_state, link)
@@ -92,6 +95,11 @@ class CrossReplica:
         return self.averager is None or self.averager.crosses_replicas()
 
     @property
+    def pace(self) -> Pace | None:
+        """The averager's plan of local steps, when they vary (`averager.balance`, `averager.period_schedule`)."""
+        return self.averager.pace if self.averager is not None else None
+
+    @property
     def averaged_this_step(self) -> bool:
         """The step just taken averaged (or synced) across replicas; reset by `step_metrics`."""
         return self.traffic.averaged is not None
@@ -114,6 +122,7 @@ class CrossReplica:
             "averager_step": self.averager.step if self.averager is not None else None,
             "cross_replica_bytes_total": self.traffic.total_bytes,
             **({"averager": part.state_dict()} if part is not None else {}),
+            **({"pace": self.pace.state_dict(self.averager.step)} if self.pace is not None else {}),
             # torchft's Manager: its step counts committed exchanges, which decides who heals whom
             **({"replica_link": link.state_dict()} if hasattr(link, "state_dict") else {}),
         }
@@ -139,5 +148,8 @@ class CrossReplica:
             part = self._averager_part
             if part is not None:
                 part.load_state_dict(state.get("averager", {}))
+            if self.pace is not None:  # a checkpoint of `period` steps each has none: its plan follows from its step
+                plan = state.get("pace") or self.pace.plan_at(self.averager.step)
+                self.pace.load_state_dict(plan, self.averager.step)
         if hasattr(self.link, "load_state_dict") and "replica_link" in state:
             self.link.load_state_dict(state["replica_link"])

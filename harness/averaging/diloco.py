@@ -40,7 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from harness import metrics
 from harness.averaging import config_rules, schedule
-from harness.averaging.averagers import ReplicaAverager
+from harness.averaging.averagers import ReplicaAverager, RunLength
 from harness.averaging.collectives import MeanInFlight, buckets, mean_over_group, start_mean_over_group
 from harness.averaging.link import ReplicaLink
 from harness.averaging.traffic import CrossReplicaTraffic
@@ -70,8 +70,13 @@ class DiLoCoAverager(ReplicaAverager):
         sync_delay: int = 0,
         mix: float = 0.0,
         link: ReplicaLink | None = None,
+        balance: str = "steps",  # the pace keys (config_rules: with one fragment and no sync_delay)
+        period_schedule: str = "fixed",
+        min_period: int = 1,
+        run: RunLength | None = None,
     ):
-        super().__init__(period, warmup_steps, mesh, traffic, comm_dtype, link)
+        pace = {"balance": balance, "period_schedule": period_schedule, "min_period": min_period, "run": run}
+        super().__init__(period, warmup_steps, mesh, traffic, comm_dtype, link, **pace)
         module = model.module if isinstance(model, DistributedDataParallel) else model
         self.outer = OuterState(module, outer_optimizer, outer_device, fragments, self.link)
         self.sync_delay, self.mix = sync_delay, mix
@@ -84,8 +89,14 @@ class DiLoCoAverager(ReplicaAverager):
         """A warmup step, or a step after which a fragment's sync starts (its quorum opens before the step)."""
         return self.synchronous or self.fragment_due() is not None
 
+    def first_local_steps(self) -> int:
+        """DiLoCo's first sync follows a whole period of local steps (fragment_due)."""
+        return self.period
+
     def fragment_due(self) -> int | None:
         """The fragment whose sync falls on this step, if any."""
+        if self.pace is not None:  # one fragment (config_rules)
+            return 0 if self.pace.due(self.step) else None
         return schedule.fragment_due(self.step, self.warmup_steps, self.period, len(self.outer.fragments))
 
     def average_parameters(self, params) -> None:
@@ -104,18 +115,23 @@ class DiLoCoAverager(ReplicaAverager):
             in_flight.blocked_s += time.perf_counter() - start
         fragment = self.fragment_due()
         if fragment is not None:
-            self.start_sync(fragment)
+            scale = self.pace.weights(self.pace.exchange(self.step)) if self.pace is not None else None
+            self.start_sync(fragment, scale)
             if self.sync_delay == 0:
                 self.finish_sync()
+            if self.pace is not None:
+                self.traffic.averaged = {**(self.traffic.averaged or {}), **self.pace.row}
+                self.pace.restart_clock()
         elif schedule.last_synchronous(self.step, self.warmup_steps):  # local training starts after this step
             self.outer.set_from_params(range(len(self.outer.params)))
         self.step += 1
 
-    def start_sync(self, fragment: int) -> None:
-        """Form the fragment's pseudo-gradients and start averaging them across replicas
-        (their bytes count on the next logged row)."""
+    def start_sync(self, fragment: int, scale: float | None = None) -> None:
+        """Form the fragment's pseudo-gradients and start averaging them across replicas, each
+        scaled by `scale` first when given (a weighted mean: `Pace.weights`); their bytes count on
+        the next logged row."""
         start = time.perf_counter()
-        self.outer.start_sync(fragment, self.step + self.sync_delay, self.link, self.comm_dtype)
+        self.outer.start_sync(fragment, self.step + self.sync_delay, self.link, self.comm_dtype, scale)
         self.outer.in_flight.blocked_s = time.perf_counter() - start
         self.traffic.add_averaging(sum(c.nbytes for c in self.outer.in_flight.collectives))
 
@@ -211,16 +227,20 @@ def start_pseudo_gradient_mean(
     outer: list[torch.Tensor],
     group: ReplicaLink | dist.ProcessGroup,
     comm_dtype: torch.dtype,
+    scale: float | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[MeanInFlight]]:
-    """`Δ = outer - local` per tensor, and its mean over `group` started (`start_means`).
-    Returns (Δ, mean, collectives)."""
+    """`Δ = outer - local` per tensor, and its mean over `group` started (`start_means`; of
+    `scale`·Δ when given). Returns (Δ, mean, collectives)."""
     deltas = torch._foreach_sub([o.to(t.device) for o, t in zip(outer, local)], local)
-    return (deltas, *start_means(deltas, group, comm_dtype))
+    return (deltas, *start_means(deltas, group, comm_dtype, scale))
 
 
 @torch.no_grad()
 def start_means(
-    tensors: list[torch.Tensor], group: ReplicaLink | dist.ProcessGroup, comm_dtype: torch.dtype
+    tensors: list[torch.Tensor],
+    group: ReplicaLink | dist.ProcessGroup,
+    comm_dtype: torch.dtype,
+    scale: float | None = None,
 ) -> tuple[list[torch.Tensor], list[MeanInFlight]]:
     """The mean of each of `tensors` over `group`, started, one bucket per collective. Returns
     (mean, collectives): per-tensor views of the flat buckets, complete once every
@@ -228,6 +248,8 @@ def start_means(
     means, collectives = [], []
     for bucket in buckets(tensors):
         flat = torch.cat([tensors[i].reshape(-1) for i in bucket])
+        if scale is not None:
+            flat.mul_(scale)
         collectives.append(start_mean_over_group(flat, group, comm_dtype))
         sizes = [tensors[i].numel() for i in bucket]
         means += [m.view_as(tensors[i]) for i, m in zip(bucket, flat.split(sizes))]
@@ -292,11 +314,13 @@ class OuterState:
         self.fragments, self.link = plan_fragments(module, fragments), link
         self.in_flight: SyncInFlight | None = None
 
-    def start_sync(self, fragment: int, apply_step: int, group: ReplicaLink, comm_dtype: torch.dtype) -> None:
+    def start_sync(
+        self, fragment: int, apply_step: int, group: ReplicaLink, comm_dtype: torch.dtype, scale: float | None = None
+    ) -> None:
         indices = self.fragments[fragment]
         local = [local_view(self.params[i]) for i in indices]
         deltas, means, collectives = start_pseudo_gradient_mean(
-            local, [self.tensors[i] for i in indices], group, comm_dtype
+            local, [self.tensors[i] for i in indices], group, comm_dtype, scale
         )
         self.in_flight = SyncInFlight(fragment, apply_step, indices, deltas, means, collectives)
 

@@ -67,13 +67,16 @@ class Checkpointer:
     def async_save(self) -> bool:
         return isinstance(self.mode, AsyncShardedMode)
 
-    def due(self, step: int, last_step: int) -> bool:
-        return self.mode is not None and (step % self.cfg.interval == 0 or step == last_step)
+    def due(self, step: int, last_step: int, since: int | None = None) -> bool:
+        """A save falls on `step`: a multiple of `checkpoint.interval` was reached since step `since`
+        (default: the step before; `averager.balance=time` moves by more between two meetings) or the last."""
+        since = step - 1 if since is None else since
+        return self.mode is not None and (step // self.cfg.interval > since // self.cfg.interval or step == last_step)
 
-    def after_step(self, job: Job, step: int, last_step: int) -> dict:
+    def after_step(self, job: Job, step: int, last_step: int, since: int | None = None) -> dict:
         """Save if `step` is due; report an async save that finished. Returns metrics for this step."""
         row = self._poll()
-        if self.due(step, last_step):
+        if self.due(step, last_step, since):
             row.update(self.save(job, step))
         return row
 

@@ -72,6 +72,7 @@ class TokenStream:
         self._micro = 0  # micro-batches of the current step read so far
         self._ahead: tuple[int, Future] | None = None  # (position, micro-batch) being read ahead
         self._thread: ThreadPoolExecutor | None = None
+        self.paced = None  # averager.balance=time: the slices of replicas that step at their own pace
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's next micro-batch, read ahead while the previous step ran; the one
@@ -81,13 +82,16 @@ class TokenStream:
         if self._micro == self.micro_batches:
             self._micro = 0
             self.samples += self.world_size * self.batch_size * self.micro_batches
-        following = self._first()
+        following = self._first(next_step=self._micro == 0)
         self._ahead = (following, self._reader().submit(self._read, following))
         seqs = seqs.to(self.device, non_blocking=True)  # from pinned memory on CUDA: queued, no wait
         return seqs[:, :-1], seqs[:, 1:]
 
-    def _first(self) -> int:
-        """The first global sample of this rank's next micro-batch."""
+    def _first(self, next_step: bool = False) -> int:
+        """The first global sample of this rank's next micro-batch (of the step after the one
+        being taken, when `next_step`: the step's micro-batches are read)."""
+        if self.paced is not None:
+            return self.paced.first_sample(next_step) + self._micro * self.batch_size
         return self.samples + self.rank * self.batch_size * self.micro_batches + self._micro * self.batch_size
 
     def _take(self, first: int) -> torch.Tensor:
@@ -126,10 +130,14 @@ class TokenStream:
     def tokens_read(self) -> dict:
         """Per-source token counts of a mixture so far (`data/tokens/*`), from the global position."""
         counts = getattr(self.source, "tokens_read", None)
-        return counts(self.samples, self.seq_len + 1) if counts is not None else {}
+        return counts(self.position(), self.seq_len + 1) if counts is not None else {}
+
+    def position(self) -> int:
+        """Samples consumed by all ranks so far (where every rank meets, the same on each)."""
+        return self.paced.samples() if self.paced is not None else self.samples
 
     def state_dict(self) -> dict:
-        return {"samples": self.samples}
+        return {"samples": self.position()}
 
     def load_state_dict(self, state: dict) -> None:
         self.samples = int(state["samples"])

@@ -1,0 +1,248 @@
+"""How many local steps each replica takes between two exchanges: `averager.balance`
+and `averager.period_schedule` (docs/configuration.md#uneven-replicas).
+
+`balance=steps` with `period_schedule=fixed` is `schedule.periodic_due` alone: no
+`Pace` is built. Otherwise the averager asks a `Pace`, which plans each period at
+the exchange that starts it, from figures every rank shares there in one small
+all-reduce (the exchange is the one moment every rank is there anyway):
+
+- `period_schedule=adacomm` (Wang & Joshi, SysML 2019): the period is
+  ⌈√(F/F₀)·τ₀⌉, τ₀ = `averager.period`, F the replicas' mean training loss at
+  this exchange, F₀ the one at the first; never below `averager.min_period`,
+  never above τ₀.
+- `balance=time` (the dynamic local updates of Liu et al., arXiv 2401.09135): the
+  fastest replica takes `period` local steps and each other as many as fit in the
+  same time, from each replica's smoothed step time (local steps only, measured
+  from the end of one exchange to the arrival at the next, from the second
+  period on: the first holds the run's own start-up); a replica within
+  `DEAD_BAND` of the fastest takes `period` too, so equal replicas train exactly
+  what `balance=steps` trains. The average weighs each replica by the local steps
+  (samples) it trained since the last exchange.
+
+The run's progress is counted in local steps of all replicas (`done`: samples
+over one replica's batch): the global step is `done / replicas`, so equal
+replicas count as `balance=steps` does, and a replica at local step i of a period
+stands at the global step interpolated between the period's two ends. The run's
+last period is cut to what remains of `train.steps` (every replica at least one
+step) and ends without an exchange, as a cut period does under `balance=steps`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+from harness import metrics
+from harness.dist import synchronize
+
+DEAD_BAND = 0.25  # a replica up to 25 % slower than the fastest still takes `period` steps: timing noise
+SMOOTHING = 0.5  # weight of the newest period in a replica's step time
+
+
+def adacomm_period(loss: float, first_loss: float, period: int, min_period: int) -> int:
+    """AdaComm's period for a training loss `loss` against the first exchange's `first_loss`."""
+    if not (math.isfinite(loss) and math.isfinite(first_loss)) or first_loss <= 0 or loss < 0:
+        return period
+    return max(min_period, min(period, math.ceil(math.sqrt(loss / first_loss) * period)))
+
+
+def balanced_local_steps(period: int, step_times: list[float | None]) -> list[int]:
+    """Each replica's local steps for a period: the fastest takes `period`, the others as many as
+    fit in its time (at least 1); `period` for all while a replica's time is unknown."""
+    if any(t is None for t in step_times):
+        return [period] * len(step_times)
+    fastest = min(step_times)
+    return [period if t <= fastest * (1 + DEAD_BAND) else max(1, round(period * fastest / t)) for t in step_times]
+
+
+def fit_to_remaining(local_steps: list[int], remaining: int) -> tuple[list[int], bool]:
+    """`local_steps`, or, when they exceed the `remaining` local steps of the run, shares of it in
+    the same proportions (largest remainder; each at least 1); True when cut."""
+    total = sum(local_steps)
+    if total <= remaining:
+        return local_steps, False
+    quotas = [k * remaining / total for k in local_steps]
+    shares = [max(1, math.floor(q)) for q in quotas]
+    by_remainder = sorted(range(len(shares)), key=lambda r: quotas[r] - math.floor(quotas[r]), reverse=True)
+    for r in by_remainder[: max(0, max(remaining, len(shares)) - sum(shares))]:
+        shares[r] += 1
+    return shares, True
+
+
+class Pace:
+    """This replica's side of the plan: when it exchanges next, and where the run stands."""
+
+    def __init__(
+        self,
+        period: int,
+        warmup_steps: int,
+        total_steps: int,
+        balance: str,
+        period_schedule: str,
+        min_period: int,
+        replicas: int,
+        replica: int,
+        leads_replica: bool,
+        samples_per_step: int,
+        device: torch.device,
+        first_local_steps: int = 1,
+    ):
+        self.base_period, self.period, self.min_period = period, period, min_period
+        self.balances, self.adapts = str(balance) == "time", str(period_schedule) == "adacomm"
+        self.replicas, self.replica, self.leads = replicas, replica, leads_replica
+        self.samples_per_step, self.device = samples_per_step, device
+        self.total = total_steps * replicas  # the run's length in local steps of all replicas
+        # the period under way: each replica's local steps (before the first exchange: the averager's own
+        # rule), the run's progress at its start, and this replica's first averager step in it
+        self.local_steps = [first_local_steps] * replicas
+        self.start_done, self.first_step, self.last = warmup_steps * replicas, warmup_steps, False
+        self.step_times: list[float | None] = [None] * replicas
+        self.first_loss: float | None = None
+        self.trained = [warmup_steps] * replicas  # local steps (warmup included) each replica trained
+        self.loss: torch.Tensor | None = None  # the loop's loss of the step being taken
+        self.started: float | None = None  # when this period's first local step began (None: not measured)
+        self.exchanges = 0  # exchanges since this process started
+        self.row: dict = {}
+
+    def due(self, step: int) -> bool:
+        """This replica exchanges after its averager step `step` (0-based)."""
+        return not self.last and step == self.first_step + self.local_steps[self.replica] - 1
+
+    def global_step(self, steps_done: int) -> int:
+        """The run's global step once this replica has taken `steps_done` averager steps."""
+        if steps_done <= self.first_step:
+            return steps_done if steps_done < self.first_step else self.start_done // self.replicas
+        taken, mine, total = steps_done - self.first_step, self.local_steps[self.replica], sum(self.local_steps)
+        done = self.start_done + total if taken >= mine else self.start_done + taken * total // mine
+        return done // self.replicas
+
+    def slot(self, steps_done: int) -> int:
+        """Where this replica's step after `steps_done` averager steps falls in the run's sequence of
+        replica steps: in a period, the replicas' i-th steps follow each other in replica order, those
+        that already took all theirs left out, so equal replicas read as `balance=steps` does."""
+        if steps_done < self.first_step:
+            return steps_done * self.replicas + self.replica
+        taken = steps_done - self.first_step
+        before = sum(min(k, taken) for k in self.local_steps)
+        return self.start_done + before + sum(k > taken for k in self.local_steps[: self.replica])
+
+    def done(self, steps_done: int) -> int:
+        """Replica steps of the whole run behind this replica's step after `steps_done` averager steps."""
+        if steps_done < self.first_step:
+            return steps_done * self.replicas
+        return self.start_done + sum(min(k, steps_done - self.first_step) for k in self.local_steps)
+
+    def exchange(self, step: int) -> list[int]:
+        """At this replica's exchange after averager step `step`: share the figures, plan the next
+        period. Returns each replica's local steps in the period that ends here (the average's weights)."""
+        synchronize(self.device)  # the clock stops at finished work
+        arrived = time.perf_counter()
+        mine, r, n = self.local_steps[self.replica], self.replica, self.replicas
+        shared = torch.zeros(2 * n + 2, dtype=torch.float64, device=self.device)
+        if self.leads:  # one figure per replica
+            shared[r] = (arrived - self.started) / mine if self.started is not None else 0.0
+            shared[n + r] = time.time()  # wall clock: comparable across ranks (to the hosts' sync)
+        if self.loss is not None:
+            shared[2 * n] = self.loss.detach().to(torch.float64)
+            shared[2 * n + 1] = 1.0
+        dist.all_reduce(shared)  # every rank of the world is at this exchange
+        figures = shared.tolist()
+        times, arrivals, loss = figures[:n], figures[n : 2 * n], figures[2 * n] / max(figures[2 * n + 1], 1.0)
+        for q, t in enumerate(times):
+            if t > 0:
+                before = self.step_times[q]
+                self.step_times[q] = t if before is None else SMOOTHING * t + (1 - SMOOTHING) * before
+        completed = self.local_steps
+        self.trained = [a + k for a, k in zip(self.trained, completed)]
+        latest = max(arrivals)
+        self.row = {metrics.AVERAGER_PERIOD: self.period}
+        for q in range(n):
+            name = str(q)
+            self.row[metrics.REPLICA_LOCAL_STEPS.named(name)] = completed[q]
+            self.row[metrics.REPLICA_SAMPLES.named(name)] = self.trained[q] * self.samples_per_step
+            self.row[metrics.REPLICA_WAIT.named(name)] = latest - arrivals[q]
+            if times[q] > 0:
+                self.row[metrics.REPLICA_STEP_TIME.named(name)] = times[q]
+        if self.adapts:
+            if self.first_loss is None:
+                self.first_loss = loss
+            else:
+                self.period = adacomm_period(loss, self.first_loss, self.base_period, self.min_period)
+        self.start_done += sum(completed)
+        plan = balanced_local_steps(self.period, self.step_times) if self.balances else [self.period] * n
+        self.local_steps, self.last = fit_to_remaining(plan, self.total - self.start_done)
+        self.first_step = step + 1
+        return completed
+
+    def weights(self, completed: list[int]) -> float | None:
+        """What this replica's tensors are scaled by before the mean over replicas, so that the mean is
+        weighted by the local steps each trained; None (the plain mean, bit for bit) when they are equal."""
+        if len(set(completed)) == 1:
+            return None
+        return completed[self.replica] * self.replicas / sum(completed)
+
+    def restart_clock(self) -> None:
+        """The exchange is over: the next period's local steps start now (measured from the
+        process's second exchange on: the period after its first holds its own start-up)."""
+        self.exchanges += 1
+        self.started = time.perf_counter() if self.exchanges >= 2 else None
+
+    def state_dict(self, steps_done: int) -> dict:
+        """The plan, the same on every rank (positions relative to this replica's own step count)."""
+        return {
+            "period": self.period,
+            "local_steps": list(self.local_steps),
+            "start_done": self.start_done,
+            "taken": steps_done - self.first_step,
+            "last": self.last,
+            "step_times": list(self.step_times),
+            "first_loss": self.first_loss,
+            "trained": list(self.trained),
+        }
+
+    def plan_at(self, steps_done: int) -> dict:
+        """The state of a run that took `period` local steps per replica and period up to
+        `steps_done` averager steps (a checkpoint saved with `balance=steps`, `period_schedule=fixed`)."""
+        first = self.first_step  # this averager's first exchange follows step first + local_steps - 1
+        if steps_done > first + self.local_steps[0] - 1:  # past the first exchange: the period under way
+            exchanges = (steps_done - (first + self.local_steps[0])) // self.base_period
+            first = first + self.local_steps[0] + exchanges * self.base_period
+            plan, last = fit_to_remaining([self.base_period] * self.replicas, self.total - first * self.replicas)
+        else:
+            plan, last = list(self.local_steps), False
+        return {
+            "period": self.base_period,
+            "local_steps": plan,
+            "start_done": first * self.replicas,
+            "taken": steps_done - first,
+            "last": last,
+            "step_times": [None] * self.replicas,
+            "first_loss": None,
+            "trained": [steps_done] * self.replicas,
+        }
+
+    def load_state_dict(self, state: dict, steps_done: int) -> None:
+        self.period, self.local_steps = state["period"], list(state["local_steps"])
+        self.start_done, self.last = state["start_done"], state["last"]
+        self.first_step = steps_done - state["taken"]
+        self.step_times, self.first_loss = list(state["step_times"]), state["first_loss"]
+        self.trained, self.started = list(state["trained"]), None
+
+
+class PacedData:
+    """The data positions of a rank whose replica steps at its own pace (`TokenStream.paced`)."""
+
+    def __init__(self, averager, rank_in_replica: int, rank_samples: int, replica_samples: int):
+        self.averager, self.rank_in_replica = averager, rank_in_replica
+        self.rank_samples, self.replica_samples = rank_samples, replica_samples
+
+    def first_sample(self, next_step: bool) -> int:
+        """This rank's slice of the step being taken (or of the next: a guess, for reading ahead)."""
+        slot = self.averager.pace.slot(self.averager.step + int(next_step))
+        return slot * self.replica_samples + self.rank_in_replica * self.rank_samples
+
+    def samples(self) -> int:
+        return self.averager.pace.done(self.averager.step) * self.replica_samples
