@@ -38,17 +38,17 @@ def varies(avg: DictConfig) -> str | None:
 def pace_errors(cfg: DictConfig) -> list[str]:
     """`averager.balance`, `averager.period_schedule` and `averager.min_period` (harness/averaging/pace.py)."""
     avg, errors = cfg.averager, []
-    if avg.min_period < 1:
+    if avg.get("min_period", 1) < 1:
         errors.append(
             f"averager.min_period={avg.min_period} is out of range: it must be >= 1. Fix: averager.min_period=1."
         )
-    elif "period" in avg and avg.period >= 1 and avg.min_period > avg.period:
+    elif "period" in avg and avg.period >= 1 and avg.get("min_period", 1) > avg.period:
         errors.append(
             f"averager.min_period={avg.min_period} is above averager.period={avg.period}: the period starts at "
             f"averager.period and adacomm only shortens it. Fix: averager.min_period between 1 and {avg.period}, "
             f"or averager.period={avg.min_period} or more."
         )
-    if str(avg.period_schedule) == "adacomm" and avg.get("period") == 1:
+    if str(avg.get("period_schedule", "fixed")) == "adacomm" and avg.get("period") == 1:
         errors.append(
             "averager.period_schedule=adacomm with averager.period=1: AdaComm starts at the period and shortens it, "
             "and 1 cannot be shortened, so this would be a fixed period of 1. Fix: a longer starting period (e.g. "

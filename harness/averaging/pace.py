@@ -130,10 +130,14 @@ class Pace:
         return self.start_done + before + sum(k > taken for k in self.local_steps[: self.replica])
 
     def done(self, steps_done: int) -> int:
-        """Replica steps of the whole run behind this replica's step after `steps_done` averager steps."""
+        """Replica steps of the whole run behind this replica's step after `steps_done` averager steps
+        (once it has taken all of its period's, the period's end: where the replicas meet next)."""
         if steps_done < self.first_step:
             return steps_done * self.replicas
-        return self.start_done + sum(min(k, steps_done - self.first_step) for k in self.local_steps)
+        taken = steps_done - self.first_step
+        if taken >= self.local_steps[self.replica]:
+            return self.start_done + sum(self.local_steps)
+        return self.start_done + sum(min(k, taken) for k in self.local_steps)
 
     def exchange(self, step: int) -> list[int]:
         """At this replica's exchange after averager step `step`: share the figures, plan the next

@@ -1,0 +1,218 @@
+"""Replicas that do not wait for each other (`averager.balance=time`) and a period that
+follows the loss (`averager.period_schedule=adacomm`): the rules by hand, the plan and
+the weighted means through real collectives, and whole runs on real ranks: equal
+replicas train bit for bit what `balance=steps` trains, a slowed replica takes fewer
+local steps, resumes are exact."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from harness.averaging import schedule
+from harness.averaging.pace import Pace, adacomm_period, balanced_local_steps, fit_to_remaining
+
+from support import REPO, check_ok, read_metrics, run_cli
+
+PROBE = REPO / "tests" / "probes" / "pace_probe.py"
+
+
+def test_the_rules_by_hand():
+    # AdaComm: ceil(sqrt(F / F0) * period), within [min_period, period]
+    assert adacomm_period(1.0, 4.0, 32, 1) == 16
+    assert adacomm_period(0.01, 4.0, 32, 4) == 4
+    assert adacomm_period(9.0, 4.0, 32, 1) == 32  # a loss above the first never lengthens the period
+    assert adacomm_period(math.nan, 4.0, 32, 1) == 32
+    # the fastest takes the period; within the dead band (25 %) too; the rest what fits in its time
+    assert balanced_local_steps(8, [1.0, 2.0, 1.2, 8.0, 100.0]) == [8, 4, 8, 1, 1]
+    assert balanced_local_steps(8, [1.0, None]) == [8, 8]
+    # the run's last period: cut in proportion, every replica at least one step
+    assert fit_to_remaining([8, 4], 12) == ([8, 4], False)
+    assert fit_to_remaining([8, 4], 6) == ([4, 2], True)
+    assert fit_to_remaining([4, 4], 6) == ([3, 3], True)
+    assert fit_to_remaining([8, 1], 3) == ([2, 1], True)
+    assert fit_to_remaining([8, 8], 1) == ([1, 1], True)
+
+
+def paces(replicas: int, local_steps: list[int], first: int = 1) -> list[Pace]:
+    """One `Pace` per replica, their period under way planned as `local_steps` (what an exchange sets)."""
+    out = []
+    for replica in range(replicas):
+        pace = Pace(4, 2, 1000, "time", "fixed", 1, replicas, replica, True, 1, torch.device("cpu"))
+        pace.local_steps, pace.start_done, pace.first_step = list(local_steps), 2 * replicas + first, first
+        out.append(pace)
+    return out
+
+
+@pytest.mark.parametrize("local_steps", [[4, 4, 4], [4, 1, 3], [1, 6, 2]], ids=["equal", "uneven", "slow first"])
+def test_a_period_reads_each_replica_step_once_and_equal_replicas_as_balance_steps_does(local_steps):
+    """The slots of one period's replica steps are the period's range, each once; with equal
+    replicas slot = step x replicas + replica, `balance=steps`'s data order, and the global step
+    moves one a step."""
+    replicas, first = len(local_steps), 5
+    group = paces(replicas, local_steps, first)
+    slots = [p.slot(first + i) for p in group for i in range(p.local_steps[p.replica])]
+    start = group[0].start_done
+    assert sorted(slots) == list(range(start, start + sum(local_steps)))
+    assert all(p.done(first + p.local_steps[p.replica]) == start + sum(local_steps) for p in group)
+    if len(set(local_steps)) == 1:
+        assert all(p.slot(first + i) == start + i * replicas + p.replica for p in group for i in range(4))
+        assert [group[0].global_step(first + i) for i in range(5)] == [start // replicas + i for i in range(5)]
+
+
+@pytest.mark.parametrize("averager", ["periodic", "diloco"])
+def test_a_plan_without_exchanges_of_its_own_is_the_fixed_schedule(averager, world_of_1):
+    """A Pace whose plan never changes (adacomm with the loss at the first exchange's, one replica
+    measured) exchanges where `periodic_due` (DiLoCo: `fragment_due`) does, and a checkpoint saved
+    without a plan resumes to the plan a Pace would have reached."""
+    period, warmup, steps = 4, 3, 22
+    first = 1 if averager == "periodic" else period
+    pace = Pace(period, warmup, steps, "steps", "adacomm", 1, 1, 0, True, 1, torch.device("cpu"), first)
+    for step in range(steps):
+        fixed = (
+            schedule.periodic_due(step, warmup, period)
+            if averager == "periodic"
+            else schedule.fragment_due(step, warmup, period, 1) is not None
+        )
+        assert pace.due(step) == fixed, step
+        resumed = Pace(period, warmup, steps, "steps", "adacomm", 1, 1, 0, True, 1, torch.device("cpu"), first)
+        resumed.load_state_dict(resumed.plan_at(step), step)
+        for key in ("local_steps", "start_done", "last"):
+            assert getattr(resumed, key) == getattr(pace, key), (step, key)
+        assert resumed.first_step == pace.first_step, step
+        if pace.due(step):
+            pace.loss = torch.tensor(2.0)
+            pace.exchange(step)
+            pace.restart_clock()
+
+
+@pytest.mark.slow
+def test_the_plan_and_the_weighted_means_through_real_collectives(tmp_path, cli_env):
+    """2 ranks: the figures each shares at an exchange give the next plan (adacomm's period 3 from a mean
+    loss of half the first; the replica twice as slow takes 2 of them), and the means weigh each replica by
+    the steps it trained: 3 steps of 1 and 1 of 3 average to 1.5 (fp32, bf16 on the wire, DiLoCo's)."""
+    out = tmp_path / "pace.json"
+    check_ok(run_cli([str(out)], cli_env, tmp_path, ranks=2, script=PROBE))
+    r = json.loads(out.read_text())
+    assert r["completed"] == [4, 4] and r["period"] == 3 and r["plan"] == [3, 2] and r["first_step"] == 5
+    assert r["step_times"] == pytest.approx([0.1, 0.2], rel=0.05)
+    assert r["row"]["replica/local_steps/1"] == 4 and r["row"]["replica/samples/1"] == 32
+    assert r["row"]["averager/period"] == 4  # the period in force up to the exchange
+    assert r["scale"] == 1.5 and r["equal_weights"] is None  # equal steps: the plain mean, bit for bit
+    for key in ("mean", "mean_bf16", "pseudo_gradient_mean"):
+        assert r[key] == [1.5] * 6, key
+
+
+def exchanges(run_dir) -> list[dict]:
+    return [r for r in read_metrics(run_dir) if "averager/period" in r]
+
+
+def final_state(run_dir, step: int) -> dict:
+    """The last checkpoint's model and optimizer tensors, every replica's copy."""
+    state = {}
+    for path in sorted((run_dir / "checkpoints" / f"step_{step}").glob("*.pt")):
+        if path.name != "rng.pt":
+            for key, value in torch.load(path, weights_only=True).items():
+                if key in ("model", "optim"):
+                    state[f"{path.name}/{key}"] = value
+    return state
+
+
+def assert_same(a: dict, b: dict) -> None:
+    def leaves(x, prefix=""):
+        if isinstance(x, dict):
+            for k, v in x.items():
+                yield from leaves(v, f"{prefix}/{k}")
+        elif isinstance(x, (list, tuple)):
+            for i, v in enumerate(x):
+                yield from leaves(v, f"{prefix}/{i}")
+        else:
+            yield prefix, x
+
+    la, lb = dict(leaves(a)), dict(leaves(b))
+    assert la.keys() == lb.keys() and la
+    for key in la:
+        if isinstance(la[key], torch.Tensor):
+            assert torch.equal(la[key], lb[key]), key
+        else:
+            assert la[key] == lb[key], key
+
+
+SMALL = [
+    "launcher.nproc=2",
+    "sharding=no_shard",
+    "model=mlp",
+    "train.batch_size=4",
+    "train.seq_len=16",
+    "train.log_every=5",
+    "averager.warmup_steps=2",
+    "checkpoint=full",
+    "checkpoint.keep=10",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("averager", ["periodic", "diloco"])
+def test_equal_replicas_train_with_balance_time_what_balance_steps_trains(averager, tmp_path, cli_env):
+    """Two equally fast replicas stay within the dead band: every period is `period` steps each, and
+    the run ends bit for bit where `balance=steps` ends (parameters and optimizer state of both)."""
+    common = [*SMALL, f"averager={averager}", "averager.period=8", "train.steps=29", "checkpoint.interval=100"]
+    for balance in ("steps", "time"):
+        check_ok(run_cli([*common, f"averager.balance={balance}", f"hydra.run.dir={balance}"], cli_env, tmp_path))
+    rows = exchanges(tmp_path / "time")
+    assert len(rows) >= 3 and all(r["replica/local_steps/0"] == r["replica/local_steps/1"] for r in rows)
+    assert any("replica/step_time_s/1" in r for r in rows)
+    assert_same(final_state(tmp_path / "steps", 29), final_state(tmp_path / "time", 29))
+
+
+@pytest.mark.slow
+def test_a_slow_replica_takes_fewer_steps_and_a_resume_at_an_exchange_is_exact(tmp_path, cli_env):
+    """Replica 1 four times slower (HARNESS_TEST_SLOWDOWN), adacomm from period 4: past the first
+    measured period it takes 1 step to replica 0's `period`, a global step takes less wall time than
+    under balance=steps, the samples count what each trained, and the run is as long as `train.steps`
+    says. A run resumed from its checkpoint at an exchange ends bit for bit where it ends; so does a
+    `balance=steps` run resumed in the middle of a period with adacomm."""
+    env = {**cli_env, "HARNESS_TEST_SLOWDOWN": "1:4"}
+    common = [  # the default model: its compute, which the slowdown multiplies, outweighs each step's overhead
+        *(o for o in SMALL if not o.startswith(("model=", "train.batch_size=", "train.seq_len="))),
+        "averager=periodic",
+        "averager.period=4",
+        "averager.period_schedule=adacomm",
+        "train.steps=24",
+        "checkpoint.interval=8",
+    ]
+    timed = [*common, "averager.balance=time"]
+    check_ok(run_cli([*timed, "hydra.run.dir=straight"], env, tmp_path))
+    rows = exchanges(tmp_path / "straight")
+    measured = [r for r in rows if "replica/step_time_s/1" in r]
+    assert measured and sum(r["replica/step_time_s/1"] for r in measured) > 2 * sum(
+        r["replica/step_time_s/0"] for r in measured
+    )
+    planned = rows[rows.index(measured[0]) + 1 :]  # the periods planned from a measured one
+    assert planned and all(
+        r["replica/local_steps/1"] == 1 and r["replica/local_steps/0"] == r["averager/period"] for r in planned
+    )
+    last = read_metrics(tmp_path / "straight")[-1]
+    assert last["train/step"] == 24
+    assert rows[-1]["replica/samples/0"] > rows[-1]["replica/samples/1"]
+    saves = sorted(int(p.name.split("_")[1]) for p in (tmp_path / "straight" / "checkpoints").iterdir())
+    assert saves[-1] == 24 and len(saves) >= 2
+    exchange_steps = {r["train/step"] for r in rows}
+    assert set(saves[:-1]) <= exchange_steps, "a save fell where the replicas do not meet"
+    middle = tmp_path / "straight" / "checkpoints" / f"step_{saves[-2]}"
+    check_ok(run_cli([*timed, f"checkpoint.resume={middle}", "hydra.run.dir=resumed"], env, tmp_path))
+    assert_same(final_state(tmp_path / "straight", 24), final_state(tmp_path / "resumed", 24))
+    # balance=steps with adacomm: saves fall inside periods; step 8 is one (exchanges after 3, 7, ...)
+    for name, extra in (("steps", []), ("steps_resumed", [f"checkpoint.resume={tmp_path}/steps/checkpoints/step_8"])):
+        check_ok(run_cli([*common, *extra, f"hydra.run.dir={name}"], env, tmp_path))
+    assert 8 not in {r["train/step"] for r in exchanges(tmp_path / "steps")}
+
+    def time_per_step(run: str) -> float:  # wall time per global step, from step 10 on (no start-up)
+        rows = [r for r in read_metrics(tmp_path / run) if "train/step_time_s" in r and r["train/step"] > 10]
+        return sum(r["train/step_time_s"] for r in rows) / len(rows)
+
+    assert time_per_step("steps") > 1.5 * time_per_step("straight")  # about 4c against 1.6c a step
+    assert_same(final_state(tmp_path / "steps", 24), final_state(tmp_path / "steps_resumed", 24))
