@@ -162,8 +162,13 @@ def plot_run(run: Run, path: Path) -> None:
 
 
 def run_figure(run: Run):
-    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5))
-    (ax_loss, ax_drift), (ax_speed, ax_ckpt) = axes
+    replicas = sorted(
+        {key.rsplit("/", 1)[1] for row in run.rows for key in row if key.startswith("replica/local_steps/")}, key=int
+    )  # averager.balance=time or adacomm: a row of the replicas' paces
+    fig, axes = plt.subplots(3 if replicas else 2, 2, figsize=(13, 12.5 if replicas else 8.5))
+    (ax_loss, ax_drift), (ax_speed, ax_ckpt) = axes[:2]
+    if replicas:
+        _paces(run, replicas, *axes[2])
     fig.suptitle(f"{run.name}: {describe(run.config)}" if run.config else run.name, fontsize=11)
 
     steps, loss = run.series(metrics.TRAIN_LOSS)
@@ -197,6 +202,19 @@ def run_figure(run: Run):
     _checkpoint_bars(run, ax_ckpt)
     fig.tight_layout()
     return fig
+
+
+def _paces(run: Run, replicas: list[str], ax_steps, ax_wait) -> None:
+    """Each replica's local steps per period and its wait at each exchange (the straggler cost)."""
+    for replica in replicas:
+        steps, local = run.series(metrics.REPLICA_LOCAL_STEPS.named(replica))
+        ax_steps.plot(steps, local, marker=".", drawstyle="steps-pre", label=f"replica {replica}")
+        steps, wait = run.series(metrics.REPLICA_WAIT.named(replica))
+        ax_wait.plot(steps, wait, marker=".", label=f"replica {replica}")
+    steps, period = run.series(metrics.AVERAGER_PERIOD)
+    ax_steps.plot(steps, period, color="black", lw=0.8, ls="--", drawstyle="steps-pre", label=metrics.AVERAGER_PERIOD)
+    _labels(ax_steps, "Local steps per period, by replica", "step", "local steps")
+    _labels(ax_wait, "Wait at each exchange for the last replica", "step", "seconds")
 
 
 def describe(config: dict) -> str:
