@@ -199,6 +199,12 @@ def part_uneven(args: argparse.Namespace, workdir: Path) -> None:
             f"  wall time to balance=steps's final held-out loss {steps_run.final_loss:.4f}: "
             f"{reached:.1f} s against {steps_run.wall:.1f} s = {ratio:.2f}x (target <= {TIME_TARGET}) {verdict}"
         )
+    if args.plot is not None:  # harness.report's figure of the balance=time run: its replicas' paces
+        from harness.report import plot_run, read_run
+
+        paces = args.plot.with_name(f"{args.plot.stem}-paces{args.plot.suffix}")
+        plot_run(read_run(time_run.run_dir), paces)
+        print(f"  plot: {paces}")
     gap = time_run.final_loss / steps_run.final_loss - 1
     verdict = "ok" if abs(gap) <= LOSS_TARGET else "not met"
     print(f"  held-out loss at equal global samples: time/steps {gap:+.2%} (target within {LOSS_TARGET:.0%}) {verdict}")
@@ -301,7 +307,12 @@ def main() -> None:
     parser.add_argument("--eval-batches", type=int, default=8)
     parser.add_argument("--rate", default="100mbit", help="part adacomm's link rate (tc syntax)")
     parser.add_argument("--loopback", action="store_true", help="part adacomm over loopback even where a link works")
-    parser.add_argument("--plot", type=Path, default=None, help="part adacomm's PNG: loss against time, the period")
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help="PNG of part adacomm (loss, period); <stem>-paces: part uneven's",
+    )
     parser.add_argument("--smoke", action="store_true", help=f"{SMOKE_HELP}: {' '.join(SMOKE + SMOKE_OVERRIDES)}")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     args = parser.parse_args()

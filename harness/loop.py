@@ -175,9 +175,11 @@ class Trainer:
                 grad_norm = clip_grad_norm_(job.model.parameters(), cfg.grad_clip)
             if self.slowdown is not None:
                 self.slowdown.after_compute(self.env.device)
-            local = self.pace is not None and not synchronous  # balance=time: this replica's ranks alone agree
+            # balance=time, a local step: this replica's ranks alone agree, on the step as it counts them
+            local = self.pace is not None and not synchronous
+            check_step = job.cross_replica.averager.step + 1 if local else step
             finite = self.nonfinite.check(  # False: skipped by the host's check
-                self._local_step() if local else step, loss, grad_norm, job.mesh.get_group("shard") if local else None
+                check_step, loss, grad_norm, job.mesh.get_group("shard") if local else None
             )
             self.checkpointer.wait_for_staging()  # an async save copies the parameters before they change
             if job.cross_replica is not None and job.cross_replica.pace is not None:
@@ -195,7 +197,7 @@ class Trainer:
             for _ in range(step - since):  # the learning rate is a function of the step, skipped steps included
                 job.lr_schedule.step()
             state.step = step
-            self._after_step(since, step, loss, grad_norm, lr, finite, synchronous)
+            self._after_step(since, step, loss, grad_norm, lr, finite, synchronous, check_step)
             if self.profiler is not None:
                 self.profiler.step()
 
@@ -205,10 +207,6 @@ class Trainer:
         if self.pace is None:
             return since + 1
         return self.pace.global_step(self.job.cross_replica.averager.step + 1)
-
-    def _local_step(self) -> int:
-        """With `averager.balance=time`: the step this replica is taking, counted by itself (1-based)."""
-        return self.job.cross_replica.averager.step + 1
 
     def _forward_backward(self) -> torch.Tensor:
         """Forward and backward over the step's `train.grad_accum` micro-batches, each
@@ -236,11 +234,13 @@ class Trainer:
         lr: float,
         finite: bool,
         synchronous: bool,
+        check_step: int,
     ) -> None:
         """Eval and checkpoint when due; log this step's row on log steps and on
         steps where something happened (averaging, eval, a save, a skipped step).
         With `averager.balance=time` these fall only where every rank meets: an
-        exchange, a synchronous step, the last step."""
+        exchange, a synchronous step, the last step; `check_step` is the step as the
+        non-finite check counted it (a replica's own count, there)."""
         job, cfg = self.job, self.cfg
         averaged = job.cross_replica is not None and job.cross_replica.averaged_this_step
         if self.pace is not None and not (averaged or synchronous or step == cfg.steps):
@@ -258,9 +258,8 @@ class Trainer:
         evaluated = reached(cfg.eval_every)
         saving = self.checkpointer.due(step, cfg.steps, met)
         waits = log_step or averaged or evaluated or saving  # the host waits anyway
-        report_step = self._local_step() if self.pace is not None and not synchronous else step
-        if waits or self.nonfinite.due(report_step):
-            row.update(self.nonfinite.report(report_step))  # train.nonfinite=error raises here, before eval and save
+        if waits or self.nonfinite.due(check_step):
+            row.update(self.nonfinite.report(check_step))  # train.nonfinite=error raises here, before eval and save
         if evaluated:
             row.update(evaluate(job.model, job.data, cfg.eval_batches))
         saved = self.checkpointer.after_step(job, step, cfg.steps, met)

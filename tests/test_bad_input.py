@@ -190,6 +190,11 @@ SETTLED = [
         ["averager.period_schedule=adacomm with averager.fragments=2", "Fix: averager.fragments=1"],
     ),
     (
+        "balance by time under ddp",
+        ["sharding=ddp", "averager=periodic", "averager.balance=time"],
+        ["averager.balance=time with sharding=ddp", "Fix: sharding=no_shard"],
+    ),
+    (
         "balance by time under fault tolerance",
         ["fault_tolerance=torchft", "sharding=no_shard", "averager.balance=time"],
         ["averager.balance=time with fault_tolerance=torchft", "Fix: fault_tolerance=none"],

@@ -70,6 +70,12 @@ def pace_errors(cfg: DictConfig) -> list[str]:
             "have (not built). Fix: averager.fragments=1 averager.sync_delay=0, or averager.balance=steps "
             "averager.period_schedule=fixed."
         )
+    if str(avg.get("balance", "steps")) == "time" and str(cfg.sharding.strategy) == "ddp":
+        errors.append(
+            "averager.balance=time with sharding=ddp: DDP's reducer all-reduces its used-parameter map over every "
+            "rank at every step, so the replicas wait for each other at each step and none can take more. Fix: "
+            "sharding=no_shard (the same layout, one replica per rank, without DDP)."
+        )
     if cfg.get("fault_tolerance") is not None and str(cfg.fault_tolerance.get("mode", "none")) != "none":
         errors.append(
             f"{what} with fault_tolerance={cfg.fault_tolerance.mode}: replica groups meet through torchft's "
