@@ -183,7 +183,7 @@ class Trainer:
             )
             self.checkpointer.wait_for_staging()  # an async save copies the parameters before they change
             if job.cross_replica is not None and job.cross_replica.pace is not None:
-                job.cross_replica.pace.loss = loss  # the period's length may follow it (adacomm)
+                job.cross_replica.pace.observe(loss)  # the period's length may follow it (adacomm)
             if finite and (self.replica_group is None or self.replica_group.gradients_committed()):
                 job.optimizer.step()  # with an averager: the local step, then maybe averaging across replicas
             else:  # a skipped step still counts, as one skipped on the device does: maybe averaging across replicas

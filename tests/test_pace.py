@@ -84,7 +84,7 @@ def test_a_plan_without_exchanges_of_its_own_is_the_fixed_schedule(averager, wor
             assert getattr(resumed, key) == getattr(pace, key), (step, key)
         assert resumed.first_step == pace.first_step, step
         if pace.due(step):
-            pace.loss = torch.tensor(2.0)
+            pace.observe(torch.tensor(2.0))
             pace.exchange(step)
             pace.restart_clock()
 

@@ -7,9 +7,10 @@ the exchange that starts it, from figures every rank shares there in one small
 all-reduce (the exchange is the one moment every rank is there anyway):
 
 - `period_schedule=adacomm` (Wang & Joshi, SysML 2019): the period is
-  ⌈√(F/F₀)·τ₀⌉, τ₀ = `averager.period`, F the replicas' mean training loss at
-  this exchange, F₀ the one at the first; never below `averager.min_period`,
-  never above τ₀.
+  ⌈√(F/F₀)·τ₀⌉, τ₀ = `averager.period`, F the ranks' mean training loss at
+  this exchange, F₀ their mean loss at the run's first step (the paper's
+  F(x₀); a run resumed from a checkpoint without it: its first step's); never
+  below `averager.min_period`, never above τ₀.
 - `balance=time` (the dynamic local updates of Liu et al., arXiv 2401.09135): the
   fastest replica takes `period` local steps and each other as many as fit in the
   same time, from each replica's smoothed step time (local steps only, measured
@@ -103,9 +104,16 @@ class Pace:
         self.first_loss: float | None = None
         self.trained = [warmup_steps] * replicas  # local steps (warmup included) each replica trained
         self.loss: torch.Tensor | None = None  # the loop's loss of the step being taken
+        self.initial: torch.Tensor | None = None  # the loss of this process's first step, until F0 is known
         self.started: float | None = None  # when this period's first local step began (None: not measured)
         self.exchanges = 0  # exchanges since this process started
         self.row: dict = {}
+
+    def observe(self, loss: torch.Tensor) -> None:
+        """The loss of the step being taken (a device tensor: read at the next exchange, not now)."""
+        self.loss = loss
+        if self.first_loss is None and self.initial is None:
+            self.initial = loss.detach().clone()
 
     def due(self, step: int) -> bool:
         """This replica exchanges after its averager step `step` (0-based)."""
@@ -145,16 +153,19 @@ class Pace:
         synchronize(self.device)  # the clock stops at finished work
         arrived = time.perf_counter()
         mine, r, n = self.local_steps[self.replica], self.replica, self.replicas
-        shared = torch.zeros(2 * n + 2, dtype=torch.float64, device=self.device)
+        shared = torch.zeros(2 * n + 3, dtype=torch.float64, device=self.device)
         if self.leads:  # one figure per replica
             shared[r] = (arrived - self.started) / mine if self.started is not None else 0.0
             shared[n + r] = time.time()  # wall clock: comparable across ranks (to the hosts' sync)
         if self.loss is not None:
             shared[2 * n] = self.loss.detach().to(torch.float64)
             shared[2 * n + 1] = 1.0
+        if self.initial is not None:
+            shared[2 * n + 2] = self.initial.to(torch.float64)
         dist.all_reduce(shared)  # every rank of the world is at this exchange
         figures = shared.tolist()
-        times, arrivals, loss = figures[:n], figures[n : 2 * n], figures[2 * n] / max(figures[2 * n + 1], 1.0)
+        ranks = max(figures[2 * n + 1], 1.0)
+        times, arrivals, loss = figures[:n], figures[n : 2 * n], figures[2 * n] / ranks
         for q, t in enumerate(times):
             if t > 0:
                 before = self.step_times[q]
@@ -171,10 +182,10 @@ class Pace:
             if times[q] > 0:
                 self.row[metrics.REPLICA_STEP_TIME.named(name)] = times[q]
         if self.adapts:
-            if self.first_loss is None:
-                self.first_loss = loss
-            else:
-                self.period = adacomm_period(loss, self.first_loss, self.base_period, self.min_period)
+            if self.first_loss is None:  # the run's first step's, where this process took it
+                self.first_loss = figures[2 * n + 2] / ranks if self.initial is not None else loss
+            self.initial = None
+            self.period = adacomm_period(loss, self.first_loss, self.base_period, self.min_period)
         self.start_done += sum(completed)
         plan = balanced_local_steps(self.period, self.step_times) if self.balances else [self.period] * n
         self.local_steps, self.last = fit_to_remaining(plan, self.total - self.start_done)
