@@ -115,7 +115,9 @@ def build_job(cfg: DictConfig, env: DistEnv, plan: RunPlan, link: ReplicaLink | 
     optimizer = build_local_optimizer(cfg.optimizer, model.parameters(), env.device)
     lr_schedule = build_lr_schedule(cfg.lr_scheduler, optimizer, cfg.train.steps)
     # one replica's samples per local step: its ranks' batches, all micro-batches
-    run = RunLength(cfg.train.steps, cfg.train.batch_size * cfg.train.grad_accum * plan.shard)
+    replica = plan.replica_id if plan.replica_id is not None else mesh["replicate"].get_local_rank()
+    samples = cfg.train.batch_size * cfg.train.grad_accum * plan.shard
+    run = RunLength(cfg.train.steps, samples, plan.replicate, replica)
     optimizer, cross_replica = setup_cross_replica(
         model, optimizer, mesh, cfg.averager, plan.averaging, link, reduction, run
     )

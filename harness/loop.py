@@ -115,7 +115,8 @@ class Trainer:
         pace = job.cross_replica.pace if job.cross_replica is not None else None
         # averager.balance=time: replicas take their own number of local steps; they meet at exchanges
         self.pace = pace if pace is not None and pace.balances else None
-        self.slowdown = slowdown_for(job.mesh["replicate"].get_local_rank())  # tests and benches only
+        replica = replica_group if replica_group is not None else job.mesh["replicate"].get_local_rank()
+        self.slowdown = slowdown_for(replica)  # tests and benches only
         self.profiler = None
         if resume_from is not None:
             try:

@@ -190,11 +190,6 @@ SETTLED = [
         ["sharding=ddp", "averager=periodic", "averager.balance=time"],
         ["averager.balance=time with sharding=ddp", "Fix: sharding=no_shard"],
     ),
-    (
-        "balance by time under fault tolerance",
-        ["fault_tolerance=torchft", "sharding=no_shard", "averager.balance=time"],
-        ["averager.balance=time with fault_tolerance=torchft", "Fix: fault_tolerance=none"],
-    ),
     ("peak flops not a number", ["train.peak_tflops=nan"], ["train.peak_tflops=nan must be positive", "Fix:"]),
     ("wandb timeout negative", ["wandb.init_timeout_s=-5"], ["wandb.init_timeout_s=-5.0 must be a positive", "Fix:"]),
 ]

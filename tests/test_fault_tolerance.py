@@ -38,6 +38,9 @@ AVERAGERS = {
     # every run of it computes alike (the equivalence with one world and with torchft's DDP)
     "synchronous": ["averager=none", "dist.threads_per_rank=1", "checkpoint=full"],
     "periodic": ["averager=periodic", "averager.warmup_steps=4", "averager.period=4"],
+    # local steps balanced by time, group 1 slowed (HARNESS_TEST_SLOWDOWN in the test's environment: 20x the
+    # MLP's compute, a small part of its step)
+    "periodic_balanced": ["averager=periodic", "averager.warmup_steps=4", "averager.period=4", "averager.balance=time"],
     "streaming_diloco": [  # in 8 bits, and saving: the kill is aimed inside one of group 1's saves
         "averager=diloco",
         "averager.warmup_steps=4",
@@ -82,9 +85,11 @@ def parent(pid: str | int) -> str:
 
 
 def wait_for_step(rows_file: Path, step: int, proc: subprocess.Popen, timeout: float) -> None:
+    """Until a row at `step` or later (averager.balance=time logs only where the replicas meet)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if rows_file.exists() and any(f'"step": {step},' in line for line in rows_file.read_text().splitlines()):
+        lines = rows_file.read_text().splitlines() if rows_file.exists() else []
+        if any(json.loads(line)["step"] >= step for line in lines if line.endswith("}")):
             return
         assert proc.poll() is None, f"the run ended before step {step}:\n{proc.communicate()[1][-3000:]}"
         time.sleep(0.2)
@@ -150,7 +155,12 @@ def test_a_killed_replica_group_heals_while_the_other_trains_on(tmp_path, averag
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, str(TRAIN), *FT, *AVERAGERS[averager], f"hydra.run.dir={run_dir}"],
-        env={**base_env(tmp_path), "HARNESS_HEAL_DIGEST": "1", KILL_SCOPE: str(tmp_path)},
+        env={
+            **base_env(tmp_path),
+            "HARNESS_HEAL_DIGEST": "1",
+            KILL_SCOPE: str(tmp_path),
+            **({"HARNESS_TEST_SLOWDOWN": "1:20"} if averager == "periodic_balanced" else {}),
+        },
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

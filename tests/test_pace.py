@@ -35,6 +35,9 @@ def test_the_rules_by_hand():
     assert fit_to_remaining([4, 4], 6) == ([3, 3], True)
     assert fit_to_remaining([8, 1], 3) == ([2, 1], True)
     assert fit_to_remaining([8, 8], 1) == ([1, 1], True)
+    # the weights: steps trained over the replicas that trained (fault tolerance: a group outside the quorum, 0)
+    assert paces(3, [4, 4, 4])[0].weights([4, 0, 2]) == 4 * 2 / 6
+    assert paces(3, [4, 4, 4])[0].weights([4, 0, 4]) is None
 
 
 def paces(replicas: int, local_steps: list[int], first: int = 1) -> list[Pace]:

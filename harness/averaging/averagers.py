@@ -30,6 +30,8 @@ class RunLength:
 
     steps: int  # train.steps
     samples_per_step: int  # one replica's samples per local step (batch × grad_accum × its ranks)
+    replicas: int  # of the whole run (fault tolerance: the replica groups)
+    replica: int  # this rank's
 
 
 class ReplicaAverager(ModelAverager):
@@ -77,12 +79,13 @@ class ReplicaAverager(ModelAverager):
                 balance,
                 period_schedule,
                 min_period,
-                mesh["replicate"].size(),
-                mesh["replicate"].get_local_rank(),
+                run.replicas,
+                run.replica,
                 mesh["shard"].get_local_rank() == 0,
                 run.samples_per_step,
                 torch.device(mesh.device_type),
                 first_local_steps=self.first_local_steps(),
+                link=self.link,
             )
 
     def first_local_steps(self) -> int:
@@ -120,15 +123,14 @@ class ReplicaAverager(ModelAverager):
             scale = self.pace.weights(self.pace.exchange(self.step)) if self.pace is not None else None
             self._average(params, group, scale)
             if self.pace is not None:
-                self.traffic.averaged = {**(self.traffic.averaged or {}), **self.pace.row}
-                self.pace.restart_clock()
+                self.pace.after_exchange(self.traffic, committed=self.uncommitted is None)
         self.step += 1
 
     def _average(self, params, group: ReplicaLink, scale: float | None = None) -> None:
         time_s, nbytes, drift = average_local_shards(params, group, self.comm_dtype, scale)
         self.traffic.add_averaging(nbytes)
         if drift is None:  # a fault-tolerant sync that did not commit: nothing was averaged
-            self.uncommitted = lambda: self._average(params, group)
+            self.uncommitted = lambda: self._average(params, group, scale)
         else:
             self.traffic.averaged = {metrics.AVERAGER_DRIFT: drift, metrics.AVERAGER_TIME: time_s}
 

@@ -76,12 +76,6 @@ def pace_errors(cfg: DictConfig) -> list[str]:
             "rank at every step, so the replicas wait for each other at each step and none can take more. Fix: "
             "sharding=no_shard (the same layout, one replica per rank, without DDP)."
         )
-    if cfg.get("fault_tolerance") is not None and str(cfg.fault_tolerance.get("mode", "none")) != "none":
-        errors.append(
-            f"{what} with fault_tolerance={cfg.fault_tolerance.mode}: replica groups meet through torchft's "
-            "Manager, which has no place for the figures each exchange plans the next period from (not built). "
-            "Fix: fault_tolerance=none, or averager.balance=steps averager.period_schedule=fixed."
-        )
     return errors
 
 

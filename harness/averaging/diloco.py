@@ -120,8 +120,7 @@ class DiLoCoAverager(ReplicaAverager):
             if self.sync_delay == 0:
                 self.finish_sync()
             if self.pace is not None:
-                self.traffic.averaged = {**(self.traffic.averaged or {}), **self.pace.row}
-                self.pace.restart_clock()
+                self.pace.after_exchange(self.traffic, committed=self.uncommitted is None)
         elif schedule.last_synchronous(self.step, self.warmup_steps):  # local training starts after this step
             self.outer.set_from_params(range(len(self.outer.params)))
         self.step += 1

@@ -31,6 +31,7 @@ step) and ends without an exchange, as a cut period does under `balance=steps`.
 from __future__ import annotations
 
 import math
+import statistics
 import time
 
 import torch
@@ -90,16 +91,20 @@ class Pace:
         samples_per_step: int,
         device: torch.device,
         first_local_steps: int = 1,
+        link=None,
     ):
         self.base_period, self.period, self.min_period = period, period, min_period
         self.balances, self.adapts = str(balance) == "time", str(period_schedule) == "adacomm"
         self.replicas, self.replica, self.leads = replicas, replica, leads_replica
         self.samples_per_step, self.device = samples_per_step, device
+        # the replicas beyond this world (fault tolerance: torchft's Manager sums over the groups in the quorum)
+        self.link = link
         self.total = total_steps * replicas  # the run's length in local steps of all replicas
         # the period under way: each replica's local steps (before the first exchange: the averager's own
         # rule), the run's progress at its start, and this replica's first averager step in it
         self.local_steps = [first_local_steps] * replicas
         self.start_done, self.first_step, self.last = warmup_steps * replicas, warmup_steps, False
+        self.began = warmup_steps  # this replica's first averager step in the period (a healed one's: later)
         self.step_times: list[float | None] = [None] * replicas
         self.first_loss: float | None = None
         self.trained = [warmup_steps] * replicas  # local steps (warmup included) each replica trained
@@ -108,6 +113,7 @@ class Pace:
         self.started: float | None = None  # when this period's first local step began (None: not measured)
         self.exchanges = 0  # exchanges since this process started
         self.row: dict = {}
+        self.undo: tuple | None = None  # the plan before the last exchange, while it may not commit
 
     def observe(self, loss: torch.Tensor) -> None:
         """The loss of the step being taken (a device tensor: read at the next exchange, not now)."""
@@ -126,6 +132,11 @@ class Pace:
         taken, mine, total = steps_done - self.first_step, self.local_steps[self.replica], sum(self.local_steps)
         done = self.start_done + total if taken >= mine else self.start_done + taken * total // mine
         return done // self.replicas
+
+    def meeting_step(self, steps_done: int) -> int:
+        """The global step every replica stands at when they meet, at the exchange that ends the period
+        under way (each replica's own step there is interpolated, and differs): its start."""
+        return steps_done if steps_done < self.first_step else self.start_done // self.replicas
 
     def slot(self, steps_done: int) -> int:
         """Where this replica's step after `steps_done` averager steps falls in the run's sequence of
@@ -152,29 +163,34 @@ class Pace:
         period. Returns each replica's local steps in the period that ends here (the average's weights)."""
         synchronize(self.device)  # the clock stops at finished work
         arrived = time.perf_counter()
-        mine, r, n = self.local_steps[self.replica], self.replica, self.replicas
-        shared = torch.zeros(2 * n + 3, dtype=torch.float64, device=self.device)
+        mine, r, n = step + 1 - self.began, self.replica, self.replicas  # the local steps it trained
+        shared = torch.zeros(3 * n + 3, dtype=torch.float64, device=self.device)
         if self.leads:  # one figure per replica
             shared[r] = (arrived - self.started) / mine if self.started is not None else 0.0
             shared[n + r] = time.time()  # wall clock: comparable across ranks (to the hosts' sync)
+            shared[2 * n + r] = mine
         if self.loss is not None:
-            shared[2 * n] = self.loss.detach().to(torch.float64)
-            shared[2 * n + 1] = 1.0
+            shared[3 * n] = self.loss.detach().to(torch.float64)
+            shared[3 * n + 1] = 1.0
         if self.initial is not None:
-            shared[2 * n + 2] = self.initial.to(torch.float64)
+            shared[3 * n + 2] = self.initial.to(torch.float64)
         dist.all_reduce(shared)  # every rank of the world is at this exchange
+        if self.link is not None:
+            self.link.sum_over_replicas(shared)  # and every replica group in the quorum (fault tolerance)
         figures = shared.tolist()
-        ranks = max(figures[2 * n + 1], 1.0)
-        times, arrivals, loss = figures[:n], figures[n : 2 * n], figures[2 * n] / ranks
+        self.undo = (self.period, list(self.local_steps), list(self.step_times), self.first_loss, list(self.trained))
+        ranks = max(figures[3 * n + 1], 1.0)
+        times, arrivals, loss = figures[:n], figures[n : 2 * n], figures[3 * n] / ranks
+        # each replica's local steps since the last exchange; 0 for a group outside the quorum (fault tolerance)
+        completed = [int(k) for k in figures[2 * n : 3 * n]]
         for q, t in enumerate(times):
             if t > 0:
                 before = self.step_times[q]
                 self.step_times[q] = t if before is None else SMOOTHING * t + (1 - SMOOTHING) * before
-        completed = self.local_steps
         self.trained = [a + k for a, k in zip(self.trained, completed)]
         latest = max(arrivals)
         self.row = {metrics.AVERAGER_PERIOD: self.period}
-        for q in range(n):
+        for q in (q for q in range(n) if completed[q]):
             name = str(q)
             self.row[metrics.REPLICA_LOCAL_STEPS.named(name)] = completed[q]
             self.row[metrics.REPLICA_SAMPLES.named(name)] = self.trained[q] * self.samples_per_step
@@ -183,25 +199,42 @@ class Pace:
                 self.row[metrics.REPLICA_STEP_TIME.named(name)] = times[q]
         if self.adapts:
             if self.first_loss is None:  # the run's first step's, where this process took it
-                self.first_loss = figures[2 * n + 2] / ranks if self.initial is not None else loss
+                self.first_loss = figures[3 * n + 2] / ranks if self.initial is not None else loss
             self.initial = None
             self.period = adacomm_period(loss, self.first_loss, self.base_period, self.min_period)
-        self.start_done += sum(completed)
+        self.start_done += sum(self.local_steps)  # the period's data slots, a group outside it or not
         plan = balanced_local_steps(self.period, self.step_times) if self.balances else [self.period] * n
         self.local_steps, self.last = fit_to_remaining(plan, self.total - self.start_done)
-        self.first_step = step + 1
+        self.first_step = self.began = step + 1
         return completed
 
     def weights(self, completed: list[int]) -> float | None:
-        """What this replica's tensors are scaled by before the mean over replicas, so that the mean is
-        weighted by the local steps each trained; None (the plain mean, bit for bit) when they are equal."""
-        if len(set(completed)) == 1:
+        """What this replica's tensors are scaled by before the mean over the replicas that trained
+        (`completed` > 0), so that the mean is weighted by the local steps each trained; None (the
+        plain mean, bit for bit) when they are equal."""
+        trained = [k for k in completed if k > 0]
+        if len(set(trained)) == 1:
             return None
-        return completed[self.replica] * self.replicas / sum(completed)
+        return completed[self.replica] * len(trained) / sum(trained)
+
+    def revert(self) -> None:
+        """The exchange did not commit (fault tolerance: a group was lost in it), so nothing was averaged
+        and the figures may be a part of the quorum's: the next period repeats the plan before it."""
+        (self.period, local_steps, self.step_times, self.first_loss, self.trained), self.undo = self.undo, None
+        self.local_steps, self.last = fit_to_remaining(local_steps, self.total - self.start_done)
+
+    def after_exchange(self, traffic, committed: bool) -> None:
+        """The averaging is over: its row gets the plan's figures (if it committed; else the plan
+        is reverted), and the next period's local steps start now."""
+        if committed:
+            traffic.averaged = {**(traffic.averaged or {}), **self.row}
+        else:
+            self.revert()
+        self.restart_clock()
 
     def restart_clock(self) -> None:
-        """The exchange is over: the next period's local steps start now (measured from the
-        process's second exchange on: the period after its first holds its own start-up)."""
+        """The next period's local steps start now (measured from the process's second exchange
+        on: the period after its first holds its own start-up)."""
         self.exchanges += 1
         self.started = time.perf_counter() if self.exchanges >= 2 else None
 
@@ -216,6 +249,7 @@ class Pace:
             "step_times": list(self.step_times),
             "first_loss": self.first_loss,
             "trained": list(self.trained),
+            "replica": self.replica,
         }
 
     def plan_at(self, steps_done: int) -> dict:
@@ -240,11 +274,19 @@ class Pace:
         }
 
     def load_state_dict(self, state: dict, steps_done: int) -> None:
+        """The plan of `state`, this replica `steps_done` averager steps in. A peer's (a heal, fault
+        tolerance) sent at its exchange puts this replica at that exchange too, starting from the
+        median of the others' step times."""
         self.period, self.local_steps = state["period"], list(state["local_steps"])
         self.start_done, self.last = state["start_done"], state["last"]
-        self.first_step = steps_done - state["taken"]
+        self.first_step = self.began = steps_done - state["taken"]
         self.step_times, self.first_loss = list(state["step_times"]), state["first_loss"]
         self.trained, self.started = list(state["trained"]), None
+        sender = state.get("replica", self.replica)
+        if sender != self.replica and state["taken"] == self.local_steps[sender] - 1:
+            self.first_step, self.began = steps_done - (self.local_steps[self.replica] - 1), steps_done
+            others = [t for q, t in enumerate(self.step_times) if q != self.replica and t is not None]
+            self.step_times[self.replica] = statistics.median(others) if others else None
 
 
 class PacedData:

@@ -56,7 +56,7 @@ class ReplicaGroup:
         if self.joined and not self.trainer.job.cross_replica.crosses_replicas():
             return
         heals, sent = self.heals, self.heals_sent
-        self._quorum(lambda: self.link.begin(self.trainer.state.step) if self.joined else self._join())
+        self._quorum(lambda: self.link.begin(self._steps_done()) if self.joined else self._join())
         self.joined = True
         if self.heals > heals:
             self.row[metrics.FT_HEAL_TIME] = self.row[metrics.FT_QUORUM_TIME]
@@ -115,10 +115,18 @@ class ReplicaGroup:
             if self.restarted:
                 self._stop_if_a_peer_finished()
             heals = self.heals
-            self.link.begin(self.trainer.state.step)
+            self.link.begin(self._steps_done())
             if self.link.size() > 1 or self.heals > heals or time.monotonic() > deadline:
                 return
             time.sleep(0.2)
+
+    def _steps_done(self) -> int:
+        """This group's place in the run for the quorum: its step; with averager.balance=time, where the
+        groups meet (each one's own step before an exchange is interpolated, and differs)."""
+        pace = self.trainer.pace
+        if pace is None:
+            return self.trainer.state.step
+        return pace.meeting_step(self.trainer.job.cross_replica.averager.step)
 
     def _stop_if_a_peer_finished(self) -> None:
         """Raise PeersFinished if a peer has trained every step (read by the group's first rank, on a file
@@ -213,12 +221,14 @@ class ReplicaGroup:
 
 
 def digest(state) -> str:
-    """A short hash of a state tree's values, bit for bit (tensors by their bytes, in tree order)."""
+    """A short hash of a state tree's values, bit for bit (tensors by their bytes, in tree order). The
+    pace's plan (averager.balance=time, adacomm) is left out: a healed group holds it from its own side
+    (`Pace.load_state_dict` puts it at the sender's exchange, at its own local step)."""
     h = hashlib.sha256()
 
     def walk(value) -> None:
         if isinstance(value, dict):
-            for key in sorted(value, key=str):
+            for key in sorted((k for k in value if k != "pace"), key=str):
                 h.update(str(key).encode())
                 walk(value[key])
         elif isinstance(value, (list, tuple)):

@@ -27,7 +27,7 @@ def main(out: str) -> None:
     rank, world = env.rank, dist.group.WORLD
     pace = Pace(4, 0, 100, "time", "adacomm", 1, 2, rank, True, 8, torch.device("cpu"))
     # the period that ends: 4 local steps each (as after the first measured one), rank 1 twice as slow
-    pace.local_steps, pace.first_step, pace.exchanges = [4, 4], 1, 2
+    pace.local_steps, pace.first_step, pace.began, pace.exchanges = [4, 4], 1, 1, 2
     pace.first_loss = 4.0
     pace.loss = torch.tensor(1.0 + 2 * rank)  # the replicas' mean: 2.0, so adacomm's period is ceil(sqrt(1/2) 4) = 3
     pace.started = time.perf_counter() - 0.4 * (rank + 1)  # 0.1 s a step on rank 0, 0.2 on rank 1
