@@ -114,6 +114,7 @@ class Pace:
         self.exchanges = 0  # exchanges since this process started
         self.row: dict = {}
         self.undo: tuple | None = None  # the plan before the last exchange, while it may not commit
+        self.rejoined = False  # healed from a peer (fault tolerance): its step time restarts from its peers'
 
     def observe(self, loss: torch.Tensor) -> None:
         """The loss of the step being taken (a device tensor: read at the next exchange, not now)."""
@@ -149,14 +150,14 @@ class Pace:
         return self.start_done + before + sum(k > taken for k in self.local_steps[: self.replica])
 
     def done(self, steps_done: int) -> int:
-        """Replica steps of the whole run behind this replica's step after `steps_done` averager steps
-        (once it has taken all of its period's, the period's end: where the replicas meet next)."""
+        """Replica steps of the whole run at the meeting behind this replica's step after `steps_done`
+        averager steps (once it has taken all of its period's, the one ahead): the same on every replica
+        between two meetings, so a heal sends the position every replica holds."""
         if steps_done < self.first_step:
             return steps_done * self.replicas
-        taken = steps_done - self.first_step
-        if taken >= self.local_steps[self.replica]:
+        if steps_done - self.first_step >= self.local_steps[self.replica]:
             return self.start_done + sum(self.local_steps)
-        return self.start_done + sum(min(k, taken) for k in self.local_steps)
+        return self.start_done
 
     def exchange(self, step: int) -> list[int]:
         """At this replica's exchange after averager step `step`: share the figures, plan the next
@@ -165,8 +166,8 @@ class Pace:
         arrived = time.perf_counter()
         mine, r, n = step + 1 - self.began, self.replica, self.replicas  # the local steps it trained
         shared = torch.zeros(3 * n + 3, dtype=torch.float64, device=self.device)
-        if self.leads:  # one figure per replica
-            shared[r] = (arrived - self.started) / mine if self.started is not None else 0.0
+        if self.leads:  # one figure per replica; a step time of -1: restarted, take the peers' median
+            shared[r] = -1.0 if self.rejoined else (arrived - self.started) / mine if self.started is not None else 0.0
             shared[n + r] = time.time()  # wall clock: comparable across ranks (to the hosts' sync)
             shared[2 * n + r] = mine
         if self.loss is not None:
@@ -183,10 +184,14 @@ class Pace:
         times, arrivals, loss = figures[:n], figures[n : 2 * n], figures[3 * n] / ranks
         # each replica's local steps since the last exchange; 0 for a group outside the quorum (fault tolerance)
         completed = [int(k) for k in figures[2 * n : 3 * n]]
+        self.rejoined = False
         for q, t in enumerate(times):
             if t > 0:
                 before = self.step_times[q]
                 self.step_times[q] = t if before is None else SMOOTHING * t + (1 - SMOOTHING) * before
+            elif t < 0:  # a group restarted and healed since the last exchange
+                others = [x for p, x in enumerate(self.step_times) if p != q and x is not None]
+                self.step_times[q] = statistics.median(others) if others else None
         self.trained = [a + k for a, k in zip(self.trained, completed)]
         latest = max(arrivals)
         self.row = {metrics.AVERAGER_PERIOD: self.period}
@@ -274,19 +279,20 @@ class Pace:
         }
 
     def load_state_dict(self, state: dict, steps_done: int) -> None:
-        """The plan of `state`, this replica `steps_done` averager steps in. A peer's (a heal, fault
-        tolerance) sent at its exchange puts this replica at that exchange too, starting from the
-        median of the others' step times."""
+        """The plan of `state`, this replica `steps_done` averager steps in."""
         self.period, self.local_steps = state["period"], list(state["local_steps"])
         self.start_done, self.last = state["start_done"], state["last"]
         self.first_step = self.began = steps_done - state["taken"]
         self.step_times, self.first_loss = list(state["step_times"]), state["first_loss"]
         self.trained, self.started = list(state["trained"]), None
-        sender = state.get("replica", self.replica)
-        if sender != self.replica and state["taken"] == self.local_steps[sender] - 1:
+
+    def join(self, sent: dict, steps_done: int) -> None:
+        """Healed from a peer (fault tolerance) with its plan `sent`: sent at that peer's exchange, it puts
+        this replica at that exchange too, at its own local step; its step time restarts from its peers'
+        median, said at the exchange so that every replica restarts it alike."""
+        if sent["taken"] == self.local_steps[sent["replica"]] - 1:
             self.first_step, self.began = steps_done - (self.local_steps[self.replica] - 1), steps_done
-            others = [t for q, t in enumerate(self.step_times) if q != self.replica and t is not None]
-            self.step_times[self.replica] = statistics.median(others) if others else None
+            self.rejoined = True
 
 
 class PacedData:

@@ -210,6 +210,9 @@ class ReplicaGroup:
             if tensors:
                 _copy_into(tensors, state["part_tensors"][name])
                 part.load_tensor_state_dict(tensors)
+        pace = job.cross_replica.pace
+        if pace is not None:  # the peer's plan, from this group's side
+            pace.join(state["parts"]["cross_replica"]["pace"], job.cross_replica.averager.step)
         self.trainer.state.step = step
         rank = self.replica_id * self.shard + dist.get_rank()
         seed_rank(self.seed + step, rank)
