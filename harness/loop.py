@@ -199,6 +199,8 @@ class Trainer:
                 job.lr_schedule.step()
             state.step = step
             self._after_step(since, step, loss, grad_norm, lr, finite, synchronous, check_step)
+            if job.cross_replica is not None and job.cross_replica.pace is not None:
+                job.cross_replica.pace.start_clock()  # after an exchange's log, eval and save, left out of step times
             if self.profiler is not None:
                 self.profiler.step()
 

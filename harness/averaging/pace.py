@@ -14,8 +14,9 @@ all-reduce (the exchange is the one moment every rank is there anyway):
 - `balance=time` (the dynamic local updates of Liu et al., arXiv 2401.09135): the
   fastest replica takes `period` local steps and each other as many as fit in the
   same time, from each replica's smoothed step time (local steps only, measured
-  from the end of one exchange to the arrival at the next, from the second
-  period on: the first holds the run's own start-up); a replica within
+  from the end of one exchange's step (its log, eval and save included) to the
+  arrival at the next, from the second period on: the first holds the run's own
+  start-up); a replica within
   `DEAD_BAND` of the fastest takes `period` too, so equal replicas train exactly
   what `balance=steps` trains. The average weighs each replica by the local steps
   (samples) it trained since the last exchange.
@@ -45,7 +46,7 @@ SMOOTHING = 0.5  # weight of the newest period in a replica's step time
 
 
 def adacomm_period(loss: float, first_loss: float, period: int, min_period: int) -> int:
-    """AdaComm's period for a training loss `loss` against the first exchange's `first_loss`."""
+    """AdaComm's period for a training loss `loss` against the run's first step's `first_loss`."""
     if not (math.isfinite(loss) and math.isfinite(first_loss)) or first_loss <= 0 or loss < 0:
         return period
     return max(min_period, min(period, math.ceil(math.sqrt(loss / first_loss) * period)))
@@ -112,6 +113,7 @@ class Pace:
         self.initial: torch.Tensor | None = None  # the loss of this process's first step, until F0 is known
         self.started: float | None = None  # when this period's first local step began (None: not measured)
         self.exchanges = 0  # exchanges since this process started
+        self.clock_waits = False  # an exchange is over and the next period's clock not started yet
         self.row: dict = {}
         self.undo: tuple | None = None  # the plan before the last exchange, while it may not commit
         self.rejoined = False  # healed from a peer (fault tolerance): its step time restarts from its peers'
@@ -235,13 +237,16 @@ class Pace:
             traffic.averaged = {**(traffic.averaged or {}), **self.row}
         else:
             self.revert()
-        self.restart_clock()
-
-    def restart_clock(self) -> None:
-        """The next period's local steps start now (measured from the process's second exchange
-        on: the period after its first holds its own start-up)."""
         self.exchanges += 1
-        self.started = time.perf_counter() if self.exchanges >= 2 else None
+        self.clock_waits = True
+
+    def start_clock(self) -> None:
+        """After an exchange, once the loop is done with its step's log, eval and save (which the step
+        time leaves out): the next period's local steps start now. Measured from the process's second
+        exchange on: the period after its first holds its own start-up."""
+        if self.clock_waits:
+            self.clock_waits = False
+            self.started = time.perf_counter() if self.exchanges >= 2 else None
 
     def state_dict(self, steps_done: int) -> dict:
         """The plan, the same on every rank (positions relative to this replica's own step count)."""
