@@ -168,13 +168,15 @@ class Trainer:
                 self.replica_group.before_step()
             since, synchronous = state.step, job.cross_replica is None or job.cross_replica.synchronous
             step = self._step_after(since)
-            if self.slowdown is not None:
+            # a synchronous step's backward holds the gradient exchange, which a slower device would not stretch
+            slowed = self.slowdown is not None and not synchronous
+            if slowed:
                 self.slowdown.begin()
             loss = self._forward_backward()
             grad_norm = None  # in backward each gradient was freed once its parameter stepped
             if not job.steps_in_backward:  # the norm is also the non-finite check, on the device
                 grad_norm = clip_grad_norm_(job.model.parameters(), cfg.grad_clip)
-            if self.slowdown is not None:
+            if slowed:
                 self.slowdown.after_compute(self.env.device)
             # balance=time, a local step: this replica's ranks alone agree, on the step as it counts them
             local = self.pace is not None and not synchronous
@@ -200,7 +202,7 @@ class Trainer:
             state.step = step
             self._after_step(since, step, loss, grad_norm, lr, finite, synchronous, check_step)
             if job.cross_replica is not None and job.cross_replica.pace is not None:
-                job.cross_replica.pace.start_clock()  # after an exchange's log, eval and save, left out of step times
+                job.cross_replica.pace.after_step()  # an exchange's log, eval and save are left out of step times
             if self.profiler is not None:
                 self.profiler.step()
 
@@ -246,6 +248,8 @@ class Trainer:
         non-finite check counted it (a replica's own count, there)."""
         job, cfg = self.job, self.cfg
         averaged = job.cross_replica is not None and job.cross_replica.averaged_this_step
+        if self.pace is not None:  # a delayed sync is applied between exchanges, at each replica's own step
+            averaged = self.pace.exchanged
         if self.pace is not None and not (averaged or synchronous or step == cfg.steps):
             if not finite:  # the host's check skipped it: a row of rank 0's own
                 self.sink.log({metrics.TRAIN_SKIPPED_NONFINITE: 1}, step)

@@ -181,9 +181,20 @@ SETTLED = [
         ["averager.balance=time with averager=hierarchical", "Fix: averager=periodic or averager=diloco"],
     ),
     (
-        "adacomm with streaming fragments",
-        ["sharding=no_shard", "averager=diloco", "averager.fragments=2", "averager.period_schedule=adacomm"],
-        ["averager.period_schedule=adacomm with averager.fragments=2", "Fix: averager.fragments=1"],
+        "adacomm from one step per fragment",
+        [
+            "sharding=no_shard",
+            "averager=diloco",
+            "averager.period=2",
+            "averager.fragments=2",
+            "averager.period_schedule=adacomm",
+        ],
+        ["averager.period_schedule=adacomm with averager.period=2 and averager.fragments=2", "Fix: a longer"],
+    ),
+    (
+        "balance by time with a delayed sync",
+        ["sharding=no_shard", "averager=diloco", "averager.sync_delay=1", "averager.balance=time"],
+        ["averager.balance=time with averager.sync_delay=1", "Fix: averager.sync_delay=0"],
     ),
     (
         "balance by time under ddp",

@@ -38,9 +38,17 @@ AVERAGERS = {
     # every run of it computes alike (the equivalence with one world and with torchft's DDP)
     "synchronous": ["averager=none", "dist.threads_per_rank=1", "checkpoint=full"],
     "periodic": ["averager=periodic", "averager.warmup_steps=4", "averager.period=4"],
-    # local steps balanced by time, group 1 slowed (HARNESS_TEST_SLOWDOWN in the test's environment: 20x the
-    # MLP's compute, a small part of its step)
+    # local steps balanced by time, group 1 slowed (HARNESS_TEST_SLOWDOWN in the test's environment: its compute
+    # padded to 0.3 s a step, several times group 0's step, and a period of its steps well inside a collective's
+    # timeout; 20x its own compute was that on a quiet host, and past the timeout on a loaded one)
     "periodic_balanced": ["averager=periodic", "averager.warmup_steps=4", "averager.period=4", "averager.balance=time"],
+    "streaming_balanced": [  # both: group 1 slowed as above
+        "averager=diloco",
+        "averager.warmup_steps=4",
+        "averager.period=8",
+        "averager.fragments=2",
+        "averager.balance=time",
+    ],
     "streaming_diloco": [  # in 8 bits, and saving: the kill is aimed inside one of group 1's saves
         "averager=diloco",
         "averager.warmup_steps=4",
@@ -159,7 +167,7 @@ def test_a_killed_replica_group_heals_while_the_other_trains_on(tmp_path, averag
             **base_env(tmp_path),
             "HARNESS_HEAL_DIGEST": "1",
             KILL_SCOPE: str(tmp_path),
-            **({"HARNESS_TEST_SLOWDOWN": "1:20"} if averager == "periodic_balanced" else {}),
+            **({"HARNESS_TEST_SLOWDOWN": "1:0.3s"} if averager.endswith("_balanced") else {}),
         },
         cwd=tmp_path,
         stdout=subprocess.PIPE,

@@ -36,8 +36,10 @@ def test_the_rules_by_hand():
     assert fit_to_remaining([8, 1], 3) == ([2, 1], True)
     assert fit_to_remaining([8, 8], 1) == ([1, 1], True)
     # the weights: steps trained over the replicas that trained (fault tolerance: a group outside the quorum, 0)
-    assert paces(3, [4, 4, 4])[0].weights([4, 0, 2]) == 4 * 2 / 6
-    assert paces(3, [4, 4, 4])[0].weights([4, 0, 4]) is None
+    for windows, weight in (([[4, 0, 2]], 4 * 2 / 6), ([[4, 0, 4]], None), ([[2, 2, 2], [4, 0, 2]], 6 * 2 / 10)):
+        pace = paces(3, [4, 4, 4])[0]
+        pace.windows = windows  # with fragments: the last F exchanges', since the fragment's last sync
+        assert pace.weights(windows[-1]) == weight
 
 
 def paces(replicas: int, local_steps: list[int], first: int = 1) -> list[Pace]:
@@ -66,24 +68,27 @@ def test_a_period_reads_each_replica_step_once_and_equal_replicas_as_balance_ste
         assert [group[0].global_step(first + i) for i in range(5)] == [start // replicas + i for i in range(5)]
 
 
-@pytest.mark.parametrize("averager", ["periodic", "diloco"])
-def test_a_plan_without_exchanges_of_its_own_is_the_fixed_schedule(averager, world_of_1):
+@pytest.mark.parametrize("averager,fragments", [("periodic", 1), ("diloco", 1), ("diloco", 2)])
+def test_a_plan_without_exchanges_of_its_own_is_the_fixed_schedule(averager, fragments, world_of_1):
     """A Pace whose plan never changes (adacomm with the loss at the first exchange's, one replica
-    measured) exchanges where `periodic_due` (DiLoCo: `fragment_due`) does, and a checkpoint saved
-    without a plan resumes to the plan a Pace would have reached."""
+    measured) exchanges where `periodic_due` (DiLoCo: `fragment_due`, the same fragment) does, and a
+    checkpoint saved without a plan resumes to the plan a Pace would have reached."""
     period, warmup, steps = 4, 3, 22
-    first = 1 if averager == "periodic" else period
-    pace = Pace(period, warmup, steps, "steps", "adacomm", 1, 1, 0, True, 1, torch.device("cpu"), first)
+    first = 1 if averager == "periodic" else period // fragments
+    args = (period, warmup, steps, "steps", "adacomm", 1, 1, 0, True, 1, torch.device("cpu"), first)
+    pace = Pace(*args, fragments=fragments)
     for step in range(steps):
         fixed = (
-            schedule.periodic_due(step, warmup, period)
+            schedule.periodic_due(step, warmup, period) or None
             if averager == "periodic"
-            else schedule.fragment_due(step, warmup, period, 1) is not None
+            else schedule.fragment_due(step, warmup, period, fragments)
         )
-        assert pace.due(step) == fixed, step
-        resumed = Pace(period, warmup, steps, "steps", "adacomm", 1, 1, 0, True, 1, torch.device("cpu"), first)
+        assert pace.due(step) == (fixed is not None), step
+        if pace.due(step) and averager == "diloco":
+            assert pace.fragment() == fixed, step
+        resumed = Pace(*args, fragments=fragments)
         resumed.load_state_dict(resumed.plan_at(step), step)
-        for key in ("local_steps", "start_done", "last"):
+        for key in ("local_steps", "start_done", "last", "syncs", "windows"):
             assert getattr(resumed, key) == getattr(pace, key), (step, key)
         assert resumed.first_step == pace.first_step, step
         if pace.due(step):
@@ -156,20 +161,29 @@ SMALL = [
 ]
 
 
+AVERAGERS = {  # and their strides between exchanges, for period 8
+    "periodic": (["averager=periodic"], 8),
+    "diloco": (["averager=diloco"], 8),
+    "streaming": (["averager=diloco", "averager.fragments=2"], 4),
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("averager", ["periodic", "diloco"])
+@pytest.mark.parametrize("averager", sorted(AVERAGERS))
 def test_equal_replicas_train_with_balance_time_what_balance_steps_trains(averager, tmp_path, cli_env):
-    """Two equally fast replicas stay within the dead band: every period is `period` steps each (the
-    last one cut), and the run ends bit for bit where `balance=steps` ends (parameters and optimizer
-    state of both). Equally fast: each step's compute padded to 0.1 s (HARNESS_TEST_SLOWDOWN), since
-    10 ms steps on a host loaded by other tests differed by more than the dead band."""
-    common = [*SMALL, f"averager={averager}", "averager.period=8", "train.steps=29", "checkpoint.interval=100"]
+    """Two equally fast replicas stay within the dead band: every stride between exchanges is `period`
+    steps each (Streaming DiLoCo's: period/fragments; the last one cut), and the run ends bit for bit
+    where `balance=steps` ends (parameters and optimizer state of both). Equally fast: each step's
+    compute padded to 0.1 s (HARNESS_TEST_SLOWDOWN), since 10 ms steps on a host loaded by other tests
+    differed by more than the dead band."""
+    keys, stride = AVERAGERS[averager]
+    common = [*SMALL, *keys, "averager.period=8", "train.steps=29", "checkpoint.interval=100"]
     env = {**cli_env, "HARNESS_TEST_SLOWDOWN": "0:0.1s,1:0.1s"}
     for balance in ("steps", "time"):
         check_ok(run_cli([*common, f"averager.balance={balance}", f"hydra.run.dir={balance}"], env, tmp_path))
     rows = exchanges(tmp_path / "time")
     assert len(rows) >= 3 and all(r["replica/local_steps/0"] == r["replica/local_steps/1"] for r in rows)
-    assert all(r["replica/local_steps/0"] == 8 for r in rows[1:])  # the first period follows the warmup's end
+    assert all(r["replica/local_steps/0"] == stride for r in rows[1:])  # the first follows the warmup's end
     assert "replica/step_time_s/1" in rows[-1]
     meta = json.loads((tmp_path / "time" / "checkpoints" / "step_29" / "meta.json").read_text())
     last = 29 - rows[-1]["train/step"]  # the last period (no exchange ends it), planned from measured times
@@ -178,17 +192,25 @@ def test_equal_replicas_train_with_balance_time_what_balance_steps_trains(averag
 
 
 @pytest.mark.slow
-def test_a_slow_replica_takes_fewer_steps_and_a_resume_at_an_exchange_is_exact(tmp_path, cli_env):
-    """Replica 1 four times slower (HARNESS_TEST_SLOWDOWN), adacomm from period 4: past the first
-    measured period it takes 1 step to replica 0's `period` (the wall time this saves is bench/uneven.py's
-    to measure, not a test's on a loaded machine), the samples count what each trained, and the run is as
-    long as `train.steps` says. A run resumed from its checkpoint at an exchange ends bit for bit where
-    it ends; so does a `balance=steps` run resumed in the middle of a period with adacomm."""
-    env = {**cli_env, "HARNESS_TEST_SLOWDOWN": "1:4"}
-    common = [  # the default model: its compute, which the slowdown multiplies, outweighs each step's overhead
-        *(o for o in SMALL if not o.startswith(("model=", "train.batch_size=", "train.seq_len="))),
-        "averager=periodic",
-        "averager.period=4",
+@pytest.mark.parametrize("averager", ["periodic", "streaming"])
+def test_a_slow_replica_takes_fewer_steps_and_a_resume_at_an_exchange_is_exact(averager, tmp_path, cli_env):
+    """Replica 1 eight times slower (HARNESS_TEST_SLOWDOWN pads each step's compute to 0.4 s, replica
+    0's to 0.05 s: the load of a shared host moves neither), adacomm from a stride of 4 between
+    exchanges: past the first measured one it takes 1 step to replica 0's stride (Streaming DiLoCo, from
+    period 8 in 2 fragments, each fragment's sync an exchange; the wall time
+    this saves is bench/uneven.py's to measure, not a test's on a loaded machine), the samples count
+    what each trained, and the run is as long as `train.steps` says. A run resumed from its checkpoint
+    at an exchange ends bit for bit where it ends; so does a `balance=steps` run resumed in the middle
+    of a period with adacomm (post-local SGD)."""
+    env = {**cli_env, "HARNESS_TEST_SLOWDOWN": "0:0.05s,1:0.4s"}
+    keys, fragments = (
+        (["averager=periodic"], 1) if averager == "periodic" else (["averager=diloco", "averager.fragments=2"], 2)
+    )
+    period = 4 * fragments  # a stride of 4 local steps between exchanges
+    common = [
+        *SMALL,
+        *keys,
+        f"averager.period={period}",
         "averager.period_schedule=adacomm",
         "train.steps=24",
         "checkpoint.interval=8",
@@ -202,7 +224,8 @@ def test_a_slow_replica_takes_fewer_steps_and_a_resume_at_an_exchange_is_exact(t
     )
     planned = rows[rows.index(measured[0]) + 1 :]  # the periods planned from a measured one
     assert planned and all(
-        r["replica/local_steps/1"] == 1 and r["replica/local_steps/0"] == r["averager/period"] for r in planned
+        r["replica/local_steps/1"] == 1 and r["replica/local_steps/0"] == r["averager/period"] // fragments
+        for r in planned
     )
     last = read_metrics(tmp_path / "straight")[-1]
     assert last["train/step"] == 24
@@ -214,6 +237,8 @@ def test_a_slow_replica_takes_fewer_steps_and_a_resume_at_an_exchange_is_exact(t
     middle = tmp_path / "straight" / "checkpoints" / f"step_{saves[-2]}"
     check_ok(run_cli([*timed, f"checkpoint.resume={middle}", "hydra.run.dir=resumed"], env, tmp_path))
     assert_same(final_state(tmp_path / "straight", 24), final_state(tmp_path / "resumed", 24))
+    if averager != "periodic":
+        return
     # balance=steps with adacomm: saves fall inside periods; step 8 is one (exchanges after 3, 7, ...)
     for name, extra in (("steps", []), ("steps_resumed", [f"checkpoint.resume={tmp_path}/steps/checkpoints/step_8"])):
         check_ok(run_cli([*common, *extra, f"hydra.run.dir={name}"], cli_env, tmp_path))

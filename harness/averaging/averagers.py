@@ -48,6 +48,7 @@ class ReplicaAverager(ModelAverager):
     """
 
     config_errors = staticmethod(config_rules.periodic_errors)
+    fragment_count = 1  # syncs per period, each an exchange of a `Pace` (Streaming DiLoCo's fragments)
 
     def __init__(
         self,
@@ -86,6 +87,7 @@ class ReplicaAverager(ModelAverager):
                 torch.device(mesh.device_type),
                 first_local_steps=self.first_local_steps(),
                 link=self.link,
+                fragments=self.fragment_count,
             )
 
     def first_local_steps(self) -> int:

@@ -48,11 +48,16 @@ def pace_errors(cfg: DictConfig) -> list[str]:
             f"averager.period and adacomm only shortens it. Fix: averager.min_period between 1 and {avg.period}, "
             f"or averager.period={avg.min_period} or more."
         )
-    if str(avg.get("period_schedule", "fixed")) == "adacomm" and avg.get("period") == 1:
+    fragments = avg.get("fragments", 1)
+    if str(avg.get("period_schedule", "fixed")) == "adacomm" and avg.get("period") == fragments:
+        start = f"averager.period={avg.period}"
+        if fragments > 1:
+            start += f" and averager.fragments={fragments} (a fragment syncs after every local step)"
         errors.append(
-            "averager.period_schedule=adacomm with averager.period=1: AdaComm starts at the period and shortens it, "
-            "and 1 cannot be shortened, so this would be a fixed period of 1. Fix: a longer starting period (e.g. "
-            "averager.period=32; AdaComm starts long), or averager.period_schedule=fixed."
+            f"averager.period_schedule=adacomm with {start}: AdaComm starts at the period and shortens it (with "
+            "fragments, in strides of period/fragments), and one local step between syncs cannot be shortened, "
+            "so this would be a fixed period. Fix: a longer starting period (e.g. averager.period=32; AdaComm "
+            "starts long), or averager.period_schedule=fixed."
         )
     what = varies(avg)
     if what is None:
@@ -63,12 +68,12 @@ def pace_errors(cfg: DictConfig) -> list[str]:
             "(averager.period_group_size), which one pace cannot plan. Fix: averager=periodic or averager=diloco, "
             "or averager.balance=steps averager.period_schedule=fixed."
         )
-    if avg.get("fragments", 1) > 1 or avg.get("sync_delay", 0) > 0:
+    if avg.get("sync_delay", 0) > 0:
         errors.append(
-            f"{what} with averager.fragments={avg.fragments} averager.sync_delay={avg.sync_delay}: Streaming "
-            "DiLoCo's fragments sync at fixed offsets inside the period, which a period that varies does not "
-            "have (not built). Fix: averager.fragments=1 averager.sync_delay=0, or averager.balance=steps "
-            "averager.period_schedule=fixed."
+            f"{what} with averager.sync_delay={avg.sync_delay}: each replica would apply a delayed sync at a local "
+            "step of its own, but applying one commits it and sums its metrics across every replica, which only "
+            "an exchange can hold (not built). Fix: averager.sync_delay=0 (Streaming DiLoCo's fragments work), or "
+            "averager.balance=steps averager.period_schedule=fixed."
         )
     if str(avg.get("balance", "steps")) == "time" and str(cfg.sharding.strategy) == "ddp":
         errors.append(

@@ -70,12 +70,13 @@ class DiLoCoAverager(ReplicaAverager):
         sync_delay: int = 0,
         mix: float = 0.0,
         link: ReplicaLink | None = None,
-        balance: str = "steps",  # the pace keys (config_rules: with one fragment and no sync_delay)
+        balance: str = "steps",
         period_schedule: str = "fixed",
         min_period: int = 1,
         run: RunLength | None = None,
     ):
         pace = {"balance": balance, "period_schedule": period_schedule, "min_period": min_period, "run": run}
+        self.fragment_count = fragments  # before the base class builds a Pace: each fragment's sync is an exchange
         super().__init__(period, warmup_steps, mesh, traffic, comm_dtype, link, **pace)
         module = model.module if isinstance(model, DistributedDataParallel) else model
         self.outer = OuterState(module, outer_optimizer, outer_device, fragments, self.link)
@@ -90,13 +91,13 @@ class DiLoCoAverager(ReplicaAverager):
         return self.synchronous or self.fragment_due() is not None
 
     def first_local_steps(self) -> int:
-        """DiLoCo's first sync follows a whole period of local steps (fragment_due)."""
-        return self.period
+        """DiLoCo's first sync follows a whole stride of local steps, period/fragments (fragment_due)."""
+        return self.period // self.fragment_count
 
     def fragment_due(self) -> int | None:
         """The fragment whose sync falls on this step, if any."""
-        if self.pace is not None:  # one fragment (config_rules)
-            return 0 if self.pace.due(self.step) else None
+        if self.pace is not None:
+            return self.pace.fragment() if self.pace.due(self.step) else None
         return schedule.fragment_due(self.step, self.warmup_steps, self.period, len(self.outer.fragments))
 
     def average_parameters(self, params) -> None:

@@ -21,6 +21,12 @@ all-reduce (the exchange is the one moment every rank is there anyway):
   what `balance=steps` trains. The average weighs each replica by the local steps
   (samples) it trained since the last exchange.
 
+With Streaming DiLoCo's `fragments` F, each fragment's sync is an exchange: the
+plan is made per stride of period/F local steps (`period`, `min_period` and
+AdaComm's period move in strides), the k-th exchange syncs fragment k mod F, and a
+fragment's weights are the local steps each replica trained since that
+fragment's last sync (its last F strides).
+
 The run's progress is counted in local steps of all replicas (`done`: samples
 over one replica's batch): the global step is `done / replicas`, so equal
 replicas count as `balance=steps` does, and a replica at local step i of a period
@@ -93,8 +99,14 @@ class Pace:
         device: torch.device,
         first_local_steps: int = 1,
         link=None,
+        fragments: int = 1,
     ):
-        self.base_period, self.period, self.min_period = period, period, min_period
+        # in strides: the local steps between two exchanges (with one fragment, the period)
+        stride = period // fragments
+        self.base_period, self.period, self.min_period = stride, stride, max(1, math.ceil(min_period / fragments))
+        self.fragments = fragments
+        self.syncs = 0  # exchanges of the run so far: the next one syncs fragment `syncs % fragments`
+        self.windows: list[list[int]] = []  # each replica's local steps in the last `fragments` exchanges
         self.balances, self.adapts = str(balance) == "time", str(period_schedule) == "adacomm"
         self.replicas, self.replica, self.leads = replicas, replica, leads_replica
         self.samples_per_step, self.device = samples_per_step, device
@@ -113,10 +125,10 @@ class Pace:
         self.initial: torch.Tensor | None = None  # the loss of this process's first step, until F0 is known
         self.started: float | None = None  # when this period's first local step began (None: not measured)
         self.exchanges = 0  # exchanges since this process started
-        self.clock_waits = False  # an exchange is over and the next period's clock not started yet
         self.row: dict = {}
         self.undo: tuple | None = None  # the plan before the last exchange, while it may not commit
         self.rejoined = False  # healed from a peer (fault tolerance): its step time restarts from its peers'
+        self.exchanged = False  # this step was an exchange: every rank met at it
 
     def observe(self, loss: torch.Tensor) -> None:
         """The loss of the step being taken (a device tensor: read at the next exchange, not now)."""
@@ -127,6 +139,10 @@ class Pace:
     def due(self, step: int) -> bool:
         """This replica exchanges after its averager step `step` (0-based)."""
         return not self.last and step == self.first_step + self.local_steps[self.replica] - 1
+
+    def fragment(self) -> int:
+        """The fragment the next exchange syncs (Streaming DiLoCo; 0 with one fragment)."""
+        return self.syncs % self.fragments
 
     def global_step(self, steps_done: int) -> int:
         """The run's global step once this replica has taken `steps_done` averager steps."""
@@ -196,7 +212,7 @@ class Pace:
                 self.step_times[q] = statistics.median(others) if others else None
         self.trained = [a + k for a, k in zip(self.trained, completed)]
         latest = max(arrivals)
-        self.row = {metrics.AVERAGER_PERIOD: self.period}
+        self.row = {metrics.AVERAGER_PERIOD: self.period * self.fragments}
         for q in (q for q in range(n) if completed[q]):
             name = str(q)
             self.row[metrics.REPLICA_LOCAL_STEPS.named(name)] = completed[q]
@@ -213,20 +229,25 @@ class Pace:
         plan = balanced_local_steps(self.period, self.step_times) if self.balances else [self.period] * n
         self.local_steps, self.last = fit_to_remaining(plan, self.total - self.start_done)
         self.first_step = self.began = step + 1
+        self.syncs, self.windows = self.syncs + 1, [*self.windows, completed][-self.fragments :]
+        self.exchanged = True
         return completed
 
     def weights(self, completed: list[int]) -> float | None:
         """What this replica's tensors are scaled by before the mean over the replicas that trained
-        (`completed` > 0), so that the mean is weighted by the local steps each trained; None (the
-        plain mean, bit for bit) when they are equal."""
-        trained = [k for k in completed if k > 0]
+        (`completed` > 0), so that the mean is weighted by the local steps each trained since the
+        synced tensors' last exchange (with fragments: the fragment's, its last F strides); None
+        (the plain mean, bit for bit) when they are equal."""
+        since = [sum(strides) for strides in zip(*self.windows)]
+        trained = [k for k, now in zip(since, completed) if now > 0]
         if len(set(trained)) == 1:
             return None
-        return completed[self.replica] * len(trained) / sum(trained)
+        return since[self.replica] * len(trained) / sum(trained)
 
     def revert(self) -> None:
         """The exchange did not commit (fault tolerance: a group was lost in it), so nothing was averaged
-        and the figures may be a part of the quorum's: the next period repeats the plan before it."""
+        and the figures may be a part of the quorum's: the next period repeats the plan before it (the
+        next exchange syncs the next fragment, as a dropped sync under `balance=steps` does)."""
         (self.period, local_steps, self.step_times, self.first_loss, self.trained), self.undo = self.undo, None
         self.local_steps, self.last = fit_to_remaining(local_steps, self.total - self.start_done)
 
@@ -238,14 +259,13 @@ class Pace:
         else:
             self.revert()
         self.exchanges += 1
-        self.clock_waits = True
 
-    def start_clock(self) -> None:
-        """After an exchange, once the loop is done with its step's log, eval and save (which the step
-        time leaves out): the next period's local steps start now. Measured from the process's second
-        exchange on: the period after its first holds its own start-up."""
-        if self.clock_waits:
-            self.clock_waits = False
+    def after_step(self) -> None:
+        """The loop is done with a step. After an exchange, that includes its log, eval and save, which
+        the step time leaves out: the next period's local steps start now (measured from the process's
+        second exchange on: the period after its first holds its own start-up)."""
+        if self.exchanged:
+            self.exchanged = False
             self.started = time.perf_counter() if self.exchanges >= 2 else None
 
     def state_dict(self, steps_done: int) -> dict:
@@ -259,6 +279,8 @@ class Pace:
             "step_times": list(self.step_times),
             "first_loss": self.first_loss,
             "trained": list(self.trained),
+            "syncs": self.syncs,
+            "windows": [list(w) for w in self.windows],
             "replica": self.replica,
         }
 
@@ -266,8 +288,10 @@ class Pace:
         """The state of a run that took `period` local steps per replica and period up to
         `steps_done` averager steps (a checkpoint saved with `balance=steps`, `period_schedule=fixed`)."""
         first = self.first_step  # this averager's first exchange follows step first + local_steps - 1
+        windows = []
         if steps_done > first + self.local_steps[0] - 1:  # past the first exchange: the period under way
             exchanges = (steps_done - (first + self.local_steps[0])) // self.base_period
+            windows = [list(self.local_steps), *[[self.base_period] * self.replicas] * exchanges]
             first = first + self.local_steps[0] + exchanges * self.base_period
             plan, last = fit_to_remaining([self.base_period] * self.replicas, self.total - first * self.replicas)
         else:
@@ -281,6 +305,8 @@ class Pace:
             "step_times": [None] * self.replicas,
             "first_loss": None,
             "trained": [steps_done] * self.replicas,
+            "syncs": len(windows),
+            "windows": windows[-self.fragments :],
         }
 
     def load_state_dict(self, state: dict, steps_done: int) -> None:
@@ -290,6 +316,7 @@ class Pace:
         self.first_step = self.began = steps_done - state["taken"]
         self.step_times, self.first_loss = list(state["step_times"]), state["first_loss"]
         self.trained, self.started = list(state["trained"]), None
+        self.syncs, self.windows = state["syncs"], [list(w) for w in state["windows"]]
 
     def join(self, sent: dict, steps_done: int) -> None:
         """Healed from a peer (fault tolerance) with its plan `sent`: sent at that peer's exchange, it puts

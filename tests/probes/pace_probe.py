@@ -32,6 +32,7 @@ def main(out: str) -> None:
     pace.loss = torch.tensor(1.0 + 2 * rank)  # the replicas' mean: 2.0, so adacomm's period is ceil(sqrt(1/2) 4) = 3
     pace.started = time.perf_counter() - 0.4 * (rank + 1)  # 0.1 s a step on rank 0, 0.2 on rank 1
     completed = pace.exchange(step=4)
+    pace.windows = [[3, 1]]  # as if the period had been 3 steps of rank 0's and 1 of rank 1's
     scale = pace.weights([3, 1])
     x = torch.full((6,), 1.0 + 2 * rank)  # rank 0 holds 1, rank 1 holds 3
     params = [x.clone()]
@@ -52,8 +53,9 @@ def main(out: str) -> None:
         "mean": params[0].tolist(),
         "mean_bf16": narrow[0].tolist(),
         "pseudo_gradient_mean": means[0].tolist(),
-        "equal_weights": pace.weights([4, 4]),
     }
+    pace.windows = [[4, 4]]
+    result["equal_weights"] = pace.weights([4, 4])
     if rank == 0:
         Path(out).write_text(json.dumps(result))
     dist.barrier()
