@@ -11,7 +11,7 @@ eval; not process start-up or the first step's own start-up):
 
 Part `uneven`: 4 replicas (`launcher.nproc=4 sharding=no_shard`), replica 3
 `--factor` times slower (HARNESS_TEST_SLOWDOWN, a test-only knob that makes it
-sleep (factor - 1) x its own compute each step), post-local SGD every
+sleep (factor - 1) x its own compute each local step), post-local SGD every
 `--period` steps, `balance=steps` against `balance=time`, the same
 `train.steps`, so the same global samples. Reported: the wall time
 `balance=time` takes to reach `balance=steps`'s final held-out loss, over

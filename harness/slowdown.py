@@ -2,8 +2,9 @@
 `averager.balance=time` on a machine whose replicas are equally fast.
 
 `HARNESS_TEST_SLOWDOWN="1:2"` (replica:factor, comma-separated) makes each rank
-of replica 1 sleep, every step, for (factor − 1) × the time its own forward,
-backward and clipping took: a device `factor` times slower, simulated.
+of replica 1 sleep, every local step, for (factor − 1) × the time its own
+forward, backward and clipping took (a synchronous step's backward holds the
+gradient exchange, which a slower device would not stretch): a device `factor` times slower, simulated.
 `HARNESS_TEST_SLOWDOWN="0:0.1s,1:0.1s"` (seconds) pads each of those to 0.1 s
 instead: devices of one fixed speed, which the load of a shared host cannot
 tell apart (a test's equal replicas). The tests and `bench/uneven.py` set it; a
