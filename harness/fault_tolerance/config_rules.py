@@ -128,7 +128,13 @@ def join_timeout_s(ft: DictConfig, groups: int) -> float:
     return 0.2 if groups == 2 else 10.0
 
 
-TORCHFT_MODULE_LOGGERS = ("torchft.manager", "torchft.process_group", "torchft.coordination", "torchft.checkpointing")
+TORCHFT_MODULE_LOGGERS = (  # each module's logger (a parent's filter does not see a child's records)
+    "torchft.manager",
+    "torchft.process_group",
+    "torchft.coordination",
+    "torchft.checkpointing.http_transport",  # the heal's server: a request whose asker hung up, with its traceback
+    "torchft.checkpointing.pg_transport",
+)
 
 
 def quiet_torchft() -> None:
