@@ -248,7 +248,7 @@ class Trainer:
         non-finite check counted it (a replica's own count, there)."""
         job, cfg = self.job, self.cfg
         averaged = job.cross_replica is not None and job.cross_replica.averaged_this_step
-        if self.pace is not None:  # a delayed sync is applied between exchanges, at each replica's own step
+        if self.pace is not None:  # the Pace's exchanges are where every rank meets (one that did not commit too)
             averaged = self.pace.exchanged
         if self.pace is not None and not (averaged or synchronous or step == cfg.steps):
             if not finite:  # the host's check skipped it: a row of rank 0's own

@@ -288,10 +288,11 @@ class Pace:
         """The state of a run that took `period` local steps per replica and period up to
         `steps_done` averager steps (a checkpoint saved with `balance=steps`, `period_schedule=fixed`)."""
         first = self.first_step  # this averager's first exchange follows step first + local_steps - 1
-        windows = []
+        syncs, windows = 0, []
         if steps_done > first + self.local_steps[0] - 1:  # past the first exchange: the period under way
             exchanges = (steps_done - (first + self.local_steps[0])) // self.base_period
-            windows = [list(self.local_steps), *[[self.base_period] * self.replicas] * exchanges]
+            syncs = 1 + exchanges
+            windows = [list(self.local_steps), *[[self.base_period] * self.replicas] * min(exchanges, self.fragments)]
             first = first + self.local_steps[0] + exchanges * self.base_period
             plan, last = fit_to_remaining([self.base_period] * self.replicas, self.total - first * self.replicas)
         else:
@@ -305,7 +306,7 @@ class Pace:
             "step_times": [None] * self.replicas,
             "first_loss": None,
             "trained": [steps_done] * self.replicas,
-            "syncs": len(windows),
+            "syncs": syncs,
             "windows": windows[-self.fragments :],
         }
 
