@@ -176,9 +176,22 @@ SETTLED = [
         ["averager.period_schedule=adacomm with averager.period=1", "Fix: a longer starting period"],
     ),
     (
-        "balance by time in a hierarchy",
-        ["sharding=no_shard", "averager=hierarchical", "averager.balance=time"],
-        ["averager.balance=time with averager=hierarchical", "Fix: averager=periodic or averager=diloco"],
+        "balance by time in a hierarchy whose periods do not nest",
+        [
+            "sharding=no_shard",
+            "averager=hierarchical",
+            "averager.balance=time",
+            "averager.period_group_size=[[3,2],[8,4]]",
+        ],
+        [
+            "averager.balance=time with averager.period_group_size=[[3,2],[8,4]]: each period must divide the next",
+            "Fix: e.g. averager.period_group_size=[[3,2],[9,4]]",
+        ],
+    ),
+    (
+        "adacomm in a hierarchy",
+        ["sharding=no_shard", "averager=hierarchical", "averager.period_schedule=adacomm"],
+        ["averager.period_schedule=adacomm with averager=hierarchical", "Fix: averager.period_schedule=fixed"],
     ),
     (
         "adacomm from one step per fragment",

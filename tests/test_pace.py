@@ -13,7 +13,14 @@ import pytest
 import torch
 
 from harness.averaging import schedule
-from harness.averaging.pace import Pace, adacomm_period, balanced_local_steps, fit_to_remaining
+from harness.averaging.pace import (
+    Pace,
+    adacomm_period,
+    balanced_local_steps,
+    fit_to_remaining,
+    level_meeting,
+    mean_weight,
+)
 
 from support import REPO, check_ok, read_metrics, run_cli
 
@@ -40,6 +47,22 @@ def test_the_rules_by_hand():
         pace = paces(3, [4, 4, 4])[0]
         pace.windows = windows  # with fragments: the last F exchanges', since the fragment's last sync
         assert pace.weights(windows[-1]) == weight
+    # a hierarchy's levels within a period of 8 (pairs every 2 steps, all 4 at 8): replica 3 plans 2 steps, so
+    # it reaches the points after 0, 1, 1 of them; its pair skips the points it trained nothing before
+    sizes, planned = {2: 2, 8: 4}, [8, 8, 8, 2]
+    meets = {r: {t: level_meeting(t, planned, None, r, sizes, 8) for t in range(1, 9)} for r in range(4)}
+    assert {t for t, m in meets[0].items() if m} == {2, 4, 6} and meets[0][2] == (2, [2, 2])
+    assert {t for t, m in meets[2].items() if m} == {4} and meets[2][4] == (2, [4, 1])
+    assert {t for t, m in meets[3].items() if m} == {1} and meets[3][1] == (2, [4, 1])
+    # three levels: the pair's weights count from the last point its group of 4 met at
+    sizes, planned = {2: 2, 4: 4, 8: 8}, [8] * 7 + [3]
+    assert level_meeting(4, planned, None, 4, sizes, 8) == (4, [4, 4, 4, 1])
+    assert level_meeting(6, planned, None, 6, sizes, 8) == (2, [2, 1])
+    assert level_meeting(2, planned, None, 6, sizes, 8) is None  # replica 7 took no step before the first point
+    # the run's last period, cut: a point some member of the group does not reach is skipped by its group
+    assert level_meeting(2, [8] * 4, [1, 2, 2, 2], 0, {2: 2, 8: 4}, 8) is None
+    assert level_meeting(2, [8] * 4, [1, 2, 2, 2], 2, {2: 2, 8: 4}, 8) == (2, [2, 2])
+    assert mean_weight([4, 1], 4) == 4 * 2 / 5 and mean_weight([2, 2], 2) is None
 
 
 def paces(replicas: int, local_steps: list[int], first: int = 1) -> list[Pace]:
@@ -68,21 +91,23 @@ def test_a_period_reads_each_replica_step_once_and_equal_replicas_as_balance_ste
         assert [group[0].global_step(first + i) for i in range(5)] == [start // replicas + i for i in range(5)]
 
 
-@pytest.mark.parametrize("averager,fragments", [("periodic", 1), ("diloco", 1), ("diloco", 2)])
+@pytest.mark.parametrize("averager,fragments", [("periodic", 1), ("diloco", 1), ("diloco", 2), ("hierarchical", 1)])
 def test_a_plan_without_exchanges_of_its_own_is_the_fixed_schedule(averager, fragments, world_of_1):
     """A Pace whose plan never changes (adacomm with the loss at the first exchange's, one replica
-    measured) exchanges where `periodic_due` (DiLoCo: `fragment_due`, the same fragment) does, and a
-    checkpoint saved without a plan resumes to the plan a Pace would have reached."""
+    measured) exchanges where `periodic_due` (DiLoCo: `fragment_due`, the same fragment; hierarchical:
+    where the largest period divides the step) does, and a checkpoint saved without a plan resumes to
+    the plan a Pace would have reached."""
     period, warmup, steps = 4, 3, 22
-    first = 1 if averager == "periodic" else period // fragments
+    first = {"periodic": 1, "diloco": period // fragments, "hierarchical": 2}[averager]  # the first_local_steps
     args = (period, warmup, steps, "steps", "adacomm", 1, 1, 0, True, 1, torch.device("cpu"), first)
     pace = Pace(*args, fragments=fragments)
     for step in range(steps):
-        fixed = (
-            schedule.periodic_due(step, warmup, period) or None
-            if averager == "periodic"
-            else schedule.fragment_due(step, warmup, period, fragments)
-        )
+        if averager == "diloco":
+            fixed = schedule.fragment_due(step, warmup, period, fragments)
+        elif averager == "hierarchical":
+            fixed = schedule.hierarchical_period(step, warmup, [2, period]) == period or None
+        else:
+            fixed = schedule.periodic_due(step, warmup, period) or None
         assert pace.due(step) == (fixed is not None), step
         if pace.due(step) and averager == "diloco":
             assert pace.fragment() == fixed, step
@@ -161,82 +186,104 @@ SMALL = [
 ]
 
 
-AVERAGERS = {  # and their strides between exchanges, for period 8
-    "periodic": (["averager=periodic"], 8),
-    "diloco": (["averager=diloco"], 8),
-    "streaming": (["averager=diloco", "averager.fragments=2"], 4),
+AVERAGERS = {  # their keys for a largest period of 8, their stride between exchanges, their replicas
+    "periodic": (["averager=periodic", "averager.period=8"], 8, 2),
+    "diloco": (["averager=diloco", "averager.period=8"], 8, 2),
+    "streaming": (["averager=diloco", "averager.period=8", "averager.fragments=2"], 4, 2),
+    # pairs every 2 steps (at points of the period under balance=time), all 4 every 8
+    "hierarchical": (["averager=hierarchical", "averager.period_group_size=[[2,2],[8,4]]"], 8, 4),
 }
+
+
+def layout(replicas: int) -> list[str]:
+    """SMALL with `replicas` ranks, one replica each."""
+    return [*(o for o in SMALL if not o.startswith("launcher.nproc=")), f"launcher.nproc={replicas}"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("averager", sorted(AVERAGERS))
 def test_equal_replicas_train_with_balance_time_what_balance_steps_trains(averager, tmp_path, cli_env):
-    """Two equally fast replicas stay within the dead band: every stride between exchanges is `period`
-    steps each (Streaming DiLoCo's: period/fragments; the last one cut), and the run ends bit for bit
-    where `balance=steps` ends (parameters and optimizer state of both). Equally fast: each step's
-    compute padded to 0.1 s (HARNESS_TEST_SLOWDOWN), since 10 ms steps on a host loaded by other tests
-    differed by more than the dead band."""
-    keys, stride = AVERAGERS[averager]
-    common = [*SMALL, *keys, "averager.period=8", "train.steps=29", "checkpoint.interval=100"]
-    env = {**cli_env, "HARNESS_TEST_SLOWDOWN": "0:0.1s,1:0.1s"}
+    """Equally fast replicas stay within the dead band: every stride between exchanges is `period`
+    steps each (Streaming DiLoCo's: period/fragments; the last one cut; a hierarchy's pairs meet at
+    every 2 steps of it as `balance=steps` has them), and the run ends bit for bit where `balance=steps`
+    ends (every replica's parameters and optimizer state). Equally fast: each step's compute padded to
+    0.1 s (HARNESS_TEST_SLOWDOWN), since 10 ms steps on a host loaded by other tests differed by more
+    than the dead band."""
+    keys, stride, replicas = AVERAGERS[averager]
+    common = [*layout(replicas), *keys, "train.steps=29", "checkpoint.interval=100"]
+    env = {**cli_env, "HARNESS_TEST_SLOWDOWN": ",".join(f"{r}:0.1s" for r in range(replicas))}
     for balance in ("steps", "time"):
         check_ok(run_cli([*common, f"averager.balance={balance}", f"hydra.run.dir={balance}"], env, tmp_path))
     rows = exchanges(tmp_path / "time")
-    assert len(rows) >= 3 and all(r["replica/local_steps/0"] == r["replica/local_steps/1"] for r in rows)
+    assert len(rows) >= 3 and all(len({r[f"replica/local_steps/{q}"] for q in range(replicas)}) == 1 for r in rows)
     assert all(r["replica/local_steps/0"] == stride for r in rows[1:])  # the first follows the warmup's end
-    assert "replica/step_time_s/1" in rows[-1]
+    assert f"replica/step_time_s/{replicas - 1}" in rows[-1]
     meta = json.loads((tmp_path / "time" / "checkpoints" / "step_29" / "meta.json").read_text())
     last = 29 - rows[-1]["train/step"]  # the last period (no exchange ends it), planned from measured times
-    assert meta["cross_replica"]["pace"]["local_steps"] == [last, last]
+    assert meta["cross_replica"]["pace"]["local_steps"] == [last] * replicas
     assert_same(final_state(tmp_path / "steps", 29), final_state(tmp_path / "time", 29))
 
 
+ADACOMM = "averager.period_schedule=adacomm"
+SLOWED = {  # keys, fragments, the slowed last replica's pad, its local steps to the fastest's stride, steps
+    # adacomm from a stride of 4 between exchanges; replica 1 eight times slower
+    "periodic": (["averager=periodic", "averager.period=4", ADACOMM], 1, "0:0.05s,1:0.4s", 1, 24),
+    "streaming": (
+        ["averager=diloco", "averager.period=8", "averager.fragments=2", ADACOMM],
+        2,
+        "0:0.05s,1:0.4s",
+        1,
+        24,
+    ),
+    # 4 replicas, pairs within the period and all 4 at its end; replica 3 four times slower than its pair's other
+    "hierarchical": (
+        ["averager=hierarchical", "averager.period_group_size=[[2,2],[8,4]]"],
+        1,
+        "0:0.05s,1:0.05s,2:0.05s,3:0.2s",
+        2,
+        40,
+    ),
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("averager", ["periodic", "streaming"])
+@pytest.mark.parametrize("averager", sorted(SLOWED))
 def test_a_slow_replica_takes_fewer_steps_and_a_resume_at_an_exchange_is_exact(averager, tmp_path, cli_env):
-    """Replica 1 eight times slower (HARNESS_TEST_SLOWDOWN pads each step's compute to 0.4 s, replica
-    0's to 0.05 s: the load of a shared host moves neither), adacomm from a stride of 4 between
-    exchanges: past the first measured one it takes 1 step to replica 0's stride (Streaming DiLoCo, from
-    period 8 in 2 fragments, each fragment's sync an exchange; the wall time
-    this saves is bench/uneven.py's to measure, not a test's on a loaded machine), the samples count
-    what each trained, and the run is as long as `train.steps` says. A run resumed from its checkpoint
-    at an exchange ends bit for bit where it ends; so does a `balance=steps` run resumed in the middle
-    of a period with adacomm (post-local SGD)."""
-    env = {**cli_env, "HARNESS_TEST_SLOWDOWN": "0:0.05s,1:0.4s"}
-    keys, fragments = (
-        (["averager=periodic"], 1) if averager == "periodic" else (["averager=diloco", "averager.fragments=2"], 2)
-    )
-    period = 4 * fragments  # a stride of 4 local steps between exchanges
-    common = [
-        *SMALL,
-        *keys,
-        f"averager.period={period}",
-        "averager.period_schedule=adacomm",
-        "train.steps=24",
-        "checkpoint.interval=8",
-    ]
+    """The last replica slowed (HARNESS_TEST_SLOWDOWN pads each step's compute to a fixed time: the
+    load of a shared host moves none): past the first measured period it takes as many steps as fit in
+    the fastest's stride (post-local SGD and Streaming DiLoCo with adacomm, each fragment's sync an
+    exchange; a hierarchy whose slow replica's pair partner is planned by its own speed, not by its
+    waits for the slow one at their meetings; the wall time this saves is bench/uneven.py's to measure,
+    not a test's on a loaded machine), the samples count what each trained, and the run is as long as
+    `train.steps` says. A run resumed from its checkpoint at an exchange ends bit for bit where it ends;
+    so does a `balance=steps` run resumed in the middle of a period with adacomm (post-local SGD)."""
+    keys, fragments, slowdown, slow_steps, steps = SLOWED[averager]
+    env = {**cli_env, "HARNESS_TEST_SLOWDOWN": slowdown}
+    slow = slowdown.count(",")  # the last replica
+    common = [*layout(slow + 1), *keys, f"train.steps={steps}", "checkpoint.interval=8"]
     timed = [*common, "averager.balance=time"]
     check_ok(run_cli([*timed, "hydra.run.dir=straight"], env, tmp_path))
     rows = exchanges(tmp_path / "straight")
-    measured = [r for r in rows if "replica/step_time_s/1" in r]
-    assert measured and sum(r["replica/step_time_s/1"] for r in measured) > 2 * sum(
+    measured = [r for r in rows if f"replica/step_time_s/{slow}" in r]
+    assert measured and sum(r[f"replica/step_time_s/{slow}"] for r in measured) > 2 * sum(
         r["replica/step_time_s/0"] for r in measured
     )
     planned = rows[rows.index(measured[0]) + 1 :]  # the periods planned from a measured one
     assert planned and all(
-        r["replica/local_steps/1"] == 1 and r["replica/local_steps/0"] == r["averager/period"] // fragments
+        r[f"replica/local_steps/{slow}"] == slow_steps
+        and all(r[f"replica/local_steps/{q}"] == r["averager/period"] // fragments for q in range(slow))
         for r in planned
-    )
+    ), planned
     last = read_metrics(tmp_path / "straight")[-1]
-    assert last["train/step"] == 24
-    assert rows[-1]["replica/samples/0"] > rows[-1]["replica/samples/1"]
+    assert last["train/step"] == steps
+    assert rows[-1]["replica/samples/0"] > rows[-1][f"replica/samples/{slow}"]
     saves = sorted(int(p.name.split("_")[1]) for p in (tmp_path / "straight" / "checkpoints").iterdir())
-    assert saves[-1] == 24 and len(saves) >= 2
+    assert saves[-1] == steps and len(saves) >= 2
     exchange_steps = {r["train/step"] for r in rows}
     assert set(saves[:-1]) <= exchange_steps, "a save fell where the replicas do not meet"
     middle = tmp_path / "straight" / "checkpoints" / f"step_{saves[-2]}"
     check_ok(run_cli([*timed, f"checkpoint.resume={middle}", "hydra.run.dir=resumed"], env, tmp_path))
-    assert_same(final_state(tmp_path / "straight", 24), final_state(tmp_path / "resumed", 24))
+    assert_same(final_state(tmp_path / "straight", steps), final_state(tmp_path / "resumed", steps))
     if averager != "periodic":
         return
     # balance=steps with adacomm: saves fall inside periods; step 8 is one (exchanges after 3, 7, ...)

@@ -9,6 +9,7 @@ checkpoint read (`synchronous`, `diverged`).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,7 +21,7 @@ from harness import metrics
 from harness.averaging import config_rules, schedule
 from harness.averaging.collectives import average_local_shards, replica_subgroups
 from harness.averaging.link import MeshLink, ReplicaLink
-from harness.averaging.pace import Pace
+from harness.averaging.pace import Pace, level_meeting, mean_weight
 from harness.averaging.traffic import CrossReplicaTraffic
 
 
@@ -145,7 +146,11 @@ class ReplicaAverager(ModelAverager):
 
 class HierarchicalReplicaAverager(ReplicaAverager):
     """`HierarchicalModelAverager`'s schedule: at a step past warmup, the largest
-    period dividing the step picks the group size to average within."""
+    period dividing the step picks the group size to average within.
+
+    With `averager.balance=time` the Pace plans the largest period (all replicas) as
+    post-local SGD's, and the smaller levels meet within it where `level_meeting`
+    puts them: each group at points of the plan, at its members' own local steps."""
 
     config_errors = staticmethod(config_rules.hierarchical_errors)
 
@@ -156,16 +161,48 @@ class HierarchicalReplicaAverager(ReplicaAverager):
         mesh: DeviceMesh,
         traffic: CrossReplicaTraffic,
         comm_dtype: str = "float32",
-        balance: str = "steps",  # the pace keys: refused unless their defaults (config_rules)
-        period_schedule: str = "fixed",
+        balance: str = "steps",
+        period_schedule: str = "fixed",  # adacomm: refused (config_rules), there is no one period to adapt
         min_period: int = 1,
         run: RunLength | None = None,
     ):
         period = max(p for p, _ in period_group_size)
         pace = {"balance": balance, "period_schedule": period_schedule, "min_period": min_period, "run": run}
         super().__init__(period, warmup_steps, mesh, traffic, comm_dtype, **pace)
-        self.period_groups = {int(p): MeshLink(replica_subgroups(mesh, int(g))) for p, g in period_group_size}
+        self.sizes = {int(p): int(g) for p, g in period_group_size}
+        shards = mesh.get_group("shard")
+        self.period_groups = {p: MeshLink(replica_subgroups(mesh, g), shards) for p, g in self.sizes.items()}
+
+    def first_local_steps(self) -> int:
+        """The local steps to the first average of all replicas: after the first step past warmup that the
+        largest period divides."""
+        return -(-self.warmup_steps // self.period) * self.period - self.warmup_steps + 1
 
     def group_to_average(self) -> ReplicaLink | None:
+        if self.pace is not None:  # all replicas, at the Pace's exchanges
+            return super().group_to_average()
         period = schedule.hierarchical_period(self.step, self.warmup_steps, self.period_groups)
         return None if period is None else self.period_groups[period]
+
+    def average_parameters(self, params) -> None:
+        if self.pace is not None and (meeting := self.level_meeting()) is not None:
+            period, scale = meeting
+            start = time.perf_counter()
+            self._average(params, self.period_groups[period], scale)  # ends synchronized with the device
+            self.pace.met(time.perf_counter() - start)
+        super().average_parameters(params)
+
+    def level_meeting(self) -> tuple[int, float | None] | None:
+        """The level below all replicas whose group meets after this step, and this replica's scale for
+        its weighted mean (`mean_weight`), or None."""
+        pace = self.pace
+        if pace.syncs == 0:  # before the first exchange every replica takes the same steps: the fixed rule
+            period = schedule.hierarchical_period(self.step, self.warmup_steps, self.sizes)
+            return (period, None) if period is not None and period < self.period else None
+        cut = pace.local_steps if pace.last else None
+        taken = self.step - pace.first_step + 1
+        meeting = level_meeting(taken, pace.planned(), cut, pace.replica, self.sizes, self.period)
+        if meeting is None:
+            return None
+        period, trained = meeting
+        return period, mean_weight(trained, trained[pace.replica % self.sizes[period]])

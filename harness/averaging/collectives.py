@@ -26,7 +26,8 @@ def average_local_shards(
 
     Returns (seconds, bytes sent, drift), where drift is how far the members
     had drifted apart just before: sqrt(sum ||x_r - mean||^2 / sum ||mean||^2)
-    over every rank's shards, from the same buffers (one 2-float all-reduce).
+    over every member rank's shards, from the same buffers (a 2-float sum over
+    the members alone: a subgroup does not wait for the others).
     A link that must commit (fault tolerance) gets the means applied only once
     it has: until then they are kept aside (one more copy of the local shards),
     and a drift of None says nothing was applied.
@@ -52,8 +53,7 @@ def average_local_shards(
             torch._foreach_copy_(bucket, means)
     synchronize(device)
     elapsed = time.perf_counter() - start
-    dist.all_reduce(deviation)
-    link.sum_over_replicas(deviation)
+    link.sum_over_members(deviation)
     if not link.commit():
         return elapsed, nbytes, None
     for bucket, means in pending:

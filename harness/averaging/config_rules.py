@@ -63,11 +63,7 @@ def pace_errors(cfg: DictConfig) -> list[str]:
     if what is None:
         return errors
     if "period_group_size" in avg:
-        errors.append(
-            f"{what} with averager=hierarchical: its groups average at several periods "
-            "(averager.period_group_size), which one pace cannot plan. Fix: averager=periodic or averager=diloco, "
-            "or averager.balance=steps averager.period_schedule=fixed."
-        )
+        errors += _hierarchical_pace_errors(avg)
     if avg.get("sync_delay", 0) > 0:
         errors.append(
             f"{what} with averager.sync_delay={avg.sync_delay}: each replica would apply a delayed sync at a local "
@@ -80,6 +76,31 @@ def pace_errors(cfg: DictConfig) -> list[str]:
             "averager.balance=time with sharding=ddp: DDP's reducer all-reduces its used-parameter map over every "
             "rank at every step, so the replicas wait for each other at each step and none can take more. Fix: "
             "sharding=no_shard (the same layout, one replica per rank, without DDP)."
+        )
+    return errors
+
+
+def _hierarchical_pace_errors(avg: DictConfig) -> list[str]:
+    """A Pace plans hierarchical averaging's largest period; the smaller levels meet at points of it."""
+    errors = []
+    if str(avg.get("period_schedule", "fixed")) != "fixed":
+        errors.append(
+            f"averager.period_schedule={avg.period_schedule} with averager=hierarchical: its levels average at "
+            "several periods (averager.period_group_size), so there is no one period for AdaComm to shorten (not "
+            "built). Fix: averager.period_schedule=fixed (averager.balance=time works), or averager=periodic."
+        )
+    periods = [pair[0] for pair in avg.period_group_size if len(pair) == 2]
+    valid = all(isinstance(p, int) and p >= 1 for p in periods)  # else hierarchical_errors says why
+    if str(avg.get("balance", "steps")) == "time" and valid and any(b % a for a, b in zip(periods, periods[1:])):
+        pairs = [list(pair) for pair in avg.period_group_size]
+        nested = [list(pairs[0])]
+        for p, g in pairs[1:]:  # each period rounded up to a multiple of the one before
+            nested.append([-(-p // nested[-1][0]) * nested[-1][0], g])
+        key, fix = (f"averager.period_group_size={x}".replace(" ", "") for x in (pairs, nested))
+        errors.append(
+            f"averager.balance=time with {key}: each period must divide the next, since each replica's local "
+            "steps of the largest period are split at the smaller periods' points, where its groups meet. "
+            f"Fix: e.g. {fix}."
         )
     return errors
 

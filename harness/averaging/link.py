@@ -36,6 +36,9 @@ class ReplicaLink(Protocol):
     def sum_over_replicas(self, tensor: torch.Tensor) -> None:
         """Sum a tensor already summed over this rank's world across the replicas the world does not hold."""
 
+    def sum_over_members(self, tensor: torch.Tensor) -> None:
+        """Sum a tensor over every rank of the replicas this link joins (their shards included), in place."""
+
     def begin(self, steps_done: int = 0) -> None:
         """Before the step after `steps_done` steps, when it crosses replicas."""
 
@@ -47,13 +50,13 @@ class ReplicaLink(Protocol):
 
 class MeshLink:
     """Replicas that are ranks of one world: a process group of the mesh (its
-    replicate group, or a subgroup of it). The world holds every replica, so a
-    sum over the world already spans them."""
+    replicate group, or a subgroup of it: then `shards`, the mesh's shard group).
+    The world holds every replica, so a sum over the world already spans them."""
 
     needs_commit = False
 
-    def __init__(self, group: dist.ProcessGroup):
-        self.group = group
+    def __init__(self, group: dist.ProcessGroup, shards: dist.ProcessGroup | None = None):
+        self.group, self.shards = group, shards
 
     def size(self) -> int:
         return self.group.size()
@@ -69,6 +72,14 @@ class MeshLink:
 
     def sum_over_replicas(self, tensor: torch.Tensor) -> None:
         pass
+
+    def sum_over_members(self, tensor: torch.Tensor) -> None:
+        if self.shards is None:  # every replica: the world
+            dist.all_reduce(tensor)
+            return
+        # a subgroup's members alone: other subgroups may meet at other times (balance=time's levels)
+        dist.all_reduce(tensor, group=self.group)
+        dist.all_reduce(tensor, group=self.shards)
 
     def begin(self, steps_done: int = 0) -> None:
         pass

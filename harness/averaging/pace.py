@@ -81,6 +81,56 @@ def fit_to_remaining(local_steps: list[int], remaining: int) -> tuple[list[int],
     return shares, True
 
 
+def mean_weight(trained: list[int], mine: int) -> float | None:
+    """What a member that trained `mine` of the members' `trained` local steps scales its tensors by
+    before their plain mean, so that the mean weighs each member by its steps; None (the plain mean,
+    bit for bit) when they trained alike."""
+    if len(set(trained)) == 1:
+        return None
+    return mine * len(trained) / sum(trained)
+
+
+def level_meeting(
+    taken: int, planned: list[int], cut: list[int] | None, replica: int, sizes: dict[int, int], period: int
+) -> tuple[int, list[int]] | None:
+    """Hierarchical averaging's levels below all replicas, in a period of `balance=time`: the fastest
+    replica's `period` local steps split at each multiple of the smallest level's period make
+    m = period/smallest meeting points (the m-th: the exchange of all replicas), and a replica that
+    takes k steps in the period, at an even speed, reaches the i-th after ⌊i·k/m⌋ of them. So the
+    members of a group arrive together, and no group waits for another: the points come from the plan
+    every replica holds. A point is held when each member of its level's group (`sizes`: period ->
+    replicas per group, consecutive replicas) trained since the point before (a member still inside
+    a step would stall the others) and, in the run's last period, cut to `cut`, reaches it.
+
+    After this replica's `taken`-th local step of the period: the level (its period) whose group meets,
+    and each member's local steps since that group, or one above it, last met (the period's start: an
+    exchange of all); or None."""
+    smallest = min(sizes)
+    meetings, start = period // smallest, {p: replica // g * g for p, g in sizes.items()}
+
+    def reached(q: int, point: int) -> int:
+        return planned[q] * point // meetings
+
+    def level(point: int) -> int:  # the largest period the point falls on (periods nest: config_rules)
+        return max(p for p in sizes if point * smallest % p == 0)
+
+    def members(p: int) -> range:
+        return range(start[p], start[p] + sizes[p])
+
+    def held(point: int) -> bool:
+        return all(
+            reached(q, point) > reached(q, point - 1) and (cut is None or cut[q] >= reached(q, point))
+            for q in members(level(point))
+        )
+
+    point = math.ceil(taken * meetings / planned[replica])
+    if point >= meetings or reached(replica, point) != taken or not held(point):
+        return None
+    p = level(point)
+    last = next((j for j in range(point - 1, 0, -1) if level(j) >= p and held(j)), 0)
+    return p, [reached(q, point) - reached(q, last) for q in members(p)]
+
+
 class Pace:
     """This replica's side of the plan: when it exchanges next, and where the run stands."""
 
@@ -124,6 +174,7 @@ class Pace:
         self.loss: torch.Tensor | None = None  # the loop's loss of the step being taken
         self.initial: torch.Tensor | None = None  # the loss of this process's first step, until F0 is known
         self.started: float | None = None  # when this period's first local step began (None: not measured)
+        self.met_s = 0.0  # of the time since: the levels' meetings within the period (hierarchical averaging)
         self.exchanges = 0  # exchanges since this process started
         self.row: dict = {}
         self.undo: tuple | None = None  # the plan before the last exchange, while it may not commit
@@ -185,7 +236,10 @@ class Pace:
         mine, r, n = step + 1 - self.began, self.replica, self.replicas  # the local steps it trained
         shared = torch.zeros(3 * n + 3, dtype=torch.float64, device=self.device)
         if self.leads:  # one figure per replica; a step time of -1: restarted, take the peers' median
-            shared[r] = -1.0 if self.rejoined else (arrived - self.started) / mine if self.started is not None else 0.0
+            if self.rejoined:
+                shared[r] = -1.0
+            elif self.started is not None:
+                shared[r] = (arrived - self.started - self.met_s) / mine
             shared[n + r] = time.time()  # wall clock: comparable across ranks (to the hosts' sync)
             shared[2 * n + r] = mine
         if self.loss is not None:
@@ -226,12 +280,16 @@ class Pace:
             self.initial = None
             self.period = adacomm_period(loss, self.first_loss, self.base_period, self.min_period)
         self.start_done += sum(self.local_steps)  # the period's data slots, a group outside it or not
-        plan = balanced_local_steps(self.period, self.step_times) if self.balances else [self.period] * n
-        self.local_steps, self.last = fit_to_remaining(plan, self.total - self.start_done)
+        self.local_steps, self.last = fit_to_remaining(self.planned(), self.total - self.start_done)
         self.first_step = self.began = step + 1
         self.syncs, self.windows = self.syncs + 1, [*self.windows, completed][-self.fragments :]
         self.exchanged = True
         return completed
+
+    def planned(self) -> list[int]:
+        """Each replica's local steps in the period under way as planned at the exchange that began it
+        (the run's last period: before it was cut to what remains)."""
+        return balanced_local_steps(self.period, self.step_times) if self.balances else [self.period] * self.replicas
 
     def weights(self, completed: list[int]) -> float | None:
         """What this replica's tensors are scaled by before the mean over the replicas that trained
@@ -239,10 +297,7 @@ class Pace:
         synced tensors' last exchange (with fragments: the fragment's, its last F strides); None
         (the plain mean, bit for bit) when they are equal."""
         since = [sum(strides) for strides in zip(*self.windows)]
-        trained = [k for k, now in zip(since, completed) if now > 0]
-        if len(set(trained)) == 1:
-            return None
-        return since[self.replica] * len(trained) / sum(trained)
+        return mean_weight([k for k, now in zip(since, completed) if now > 0], since[self.replica])
 
     def revert(self) -> None:
         """The exchange did not commit (fault tolerance: a group was lost in it), so nothing was averaged
@@ -267,6 +322,13 @@ class Pace:
         if self.exchanged:
             self.exchanged = False
             self.started = time.perf_counter() if self.exchanges >= 2 else None
+            self.met_s = 0.0
+
+    def met(self, seconds: float) -> None:
+        """A level's group met for `seconds` within the period (hierarchical averaging): the step time
+        leaves it out, waits for a slower member included, so that a fast replica grouped with a slow
+        one is planned by its own speed."""
+        self.met_s += seconds
 
     def state_dict(self, steps_done: int) -> dict:
         """The plan, the same on every rank (positions relative to this replica's own step count)."""

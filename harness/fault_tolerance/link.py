@@ -180,6 +180,10 @@ class TorchftLink:
     def sum_over_replicas(self, tensor: torch.Tensor) -> None:
         self.all_reduce(tensor).wait()
 
+    def sum_over_members(self, tensor: torch.Tensor) -> None:
+        dist.all_reduce(tensor)  # this group's world
+        self.sum_over_replicas(tensor)
+
     def begin(self, steps_done: int = 0) -> None:
         """A quorum at the start of the step after `steps_done` steps. torchft heals the groups
         whose Manager step is below the quorum's highest, so that step is set here to this group's
