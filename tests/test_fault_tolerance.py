@@ -49,6 +49,14 @@ AVERAGERS = {
         "averager.fragments=2",
         "averager.balance=time",
     ],
+    "streaming_adacomm": [  # each sync applied a step after it starts, its figures summed at the next exchange
+        "averager=diloco",
+        "averager.warmup_steps=4",
+        "averager.period=8",
+        "averager.fragments=2",
+        "averager.sync_delay=1",
+        "averager.period_schedule=adacomm",
+    ],
     "streaming_diloco": [  # in 8 bits, and saving: the kill is aimed inside one of group 1's saves
         "averager=diloco",
         "averager.warmup_steps=4",

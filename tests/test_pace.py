@@ -190,6 +190,12 @@ AVERAGERS = {  # their keys for a largest period of 8, their stride between exch
     "periodic": (["averager=periodic", "averager.period=8"], 8, 2),
     "diloco": (["averager=diloco", "averager.period=8"], 8, 2),
     "streaming": (["averager=diloco", "averager.period=8", "averager.fragments=2"], 4, 2),
+    # each sync applied 2 local steps after it starts (Streaming DiLoCo's overlap)
+    "streaming_delayed": (
+        ["averager=diloco", "averager.period=8", "averager.fragments=2", "averager.sync_delay=2"],
+        4,
+        2,
+    ),
     # pairs every 2 steps (at points of the period under balance=time), all 4 every 8
     "hierarchical": (["averager=hierarchical", "averager.period_group_size=[[2,2],[8,4]]"], 8, 4),
 }
@@ -235,6 +241,14 @@ SLOWED = {  # keys, fragments, the slowed last replica's pad, its local steps to
         1,
         24,
     ),
+    # each sync applied 2 of replica 0's local steps after it starts; the slow replica's 1 step: at once
+    "streaming_delayed": (
+        ["averager=diloco", "averager.period=8", "averager.fragments=2", "averager.sync_delay=2", ADACOMM],
+        2,
+        "0:0.05s,1:0.4s",
+        1,
+        24,
+    ),
     # 4 replicas, pairs within the period and all 4 at its end; replica 3 four times slower than its pair's other
     "hierarchical": (
         ["averager=hierarchical", "averager.period_group_size=[[2,2],[8,4]]"],
@@ -249,14 +263,15 @@ SLOWED = {  # keys, fragments, the slowed last replica's pad, its local steps to
 @pytest.mark.slow
 @pytest.mark.parametrize("averager", sorted(SLOWED))
 def test_a_slow_replica_takes_fewer_steps_and_a_resume_at_an_exchange_is_exact(averager, tmp_path, cli_env):
-    """The last replica slowed (HARNESS_TEST_SLOWDOWN pads each step's compute to a fixed time: the
-    load of a shared host moves none): past the first measured period it takes as many steps as fit in
-    the fastest's stride (post-local SGD and Streaming DiLoCo with adacomm, each fragment's sync an
-    exchange; a hierarchy whose slow replica's pair partner is planned by its own speed, not by its
-    waits for the slow one at their meetings; the wall time this saves is bench/uneven.py's to measure,
-    not a test's on a loaded machine), the samples count what each trained, and the run is as long as
-    `train.steps` says. A run resumed from its checkpoint at an exchange ends bit for bit where it ends;
-    so does a `balance=steps` run resumed in the middle of a period with adacomm (post-local SGD)."""
+    """The last replica slowed (HARNESS_TEST_SLOWDOWN pads each step's compute to a fixed time: the load of a
+    shared host moves none): past the first measured period it takes as many steps as fit in the fastest's
+    stride (post-local SGD and Streaming DiLoCo with adacomm, each fragment's sync an exchange, also with each
+    sync applied 2 of the fastest's steps after it starts (the slow replica's at the next exchange), its figures
+    reported there; a hierarchy whose slow replica's pair partner is planned by its own speed, not by its waits
+    for the slow one at their meetings; the wall time this saves is bench/uneven.py's to measure, not a test's
+    on a loaded machine), the samples count what each trained, and the run is as long as `train.steps` says. A
+    run resumed from its checkpoint at an exchange ends bit for bit where it ends; so does a `balance=steps` run
+    resumed in the middle of a period with adacomm (post-local SGD)."""
     keys, fragments, slowdown, slow_steps, steps = SLOWED[averager]
     env = {**cli_env, "HARNESS_TEST_SLOWDOWN": slowdown}
     slow = slowdown.count(",")  # the last replica
@@ -274,6 +289,9 @@ def test_a_slow_replica_takes_fewer_steps_and_a_resume_at_an_exchange_is_exact(a
         and all(r[f"replica/local_steps/{q}"] == r["averager/period"] // fragments for q in range(slow))
         for r in planned
     ), planned
+    if "averager.sync_delay=2" in keys:  # a delayed sync's figures, summed at the next exchange, on its row
+        assert "averager/pseudo_grad_norm" not in rows[0]
+        assert [r["averager/fragment"] for r in rows[1:]] == [k % 2 for k in range(len(rows) - 1)]
     last = read_metrics(tmp_path / "straight")[-1]
     assert last["train/step"] == steps
     assert rows[-1]["replica/samples/0"] > rows[-1][f"replica/samples/{slow}"]

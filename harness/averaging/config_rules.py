@@ -64,13 +64,6 @@ def pace_errors(cfg: DictConfig) -> list[str]:
         return errors
     if "period_group_size" in avg:
         errors += _hierarchical_pace_errors(avg)
-    if avg.get("sync_delay", 0) > 0:
-        errors.append(
-            f"{what} with averager.sync_delay={avg.sync_delay}: each replica would apply a delayed sync at a local "
-            "step of its own, but applying one commits it and sums its metrics across every replica, which only "
-            "an exchange can hold (not built). Fix: averager.sync_delay=0 (Streaming DiLoCo's fragments work), or "
-            "averager.balance=steps averager.period_schedule=fixed."
-        )
     if str(avg.get("balance", "steps")) == "time" and str(cfg.sharding.strategy) == "ddp":
         errors.append(
             "averager.balance=time with sharding=ddp: DDP's reducer all-reduces its used-parameter map over every "

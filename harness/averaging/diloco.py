@@ -81,6 +81,9 @@ class DiLoCoAverager(ReplicaAverager):
         module = model.module if isinstance(model, DistributedDataParallel) else model
         self.outer = OuterState(module, outer_optimizer, outer_device, fragments, self.link)
         self.sync_delay, self.mix = sync_delay, mix
+        # with a Pace, a delayed sync is applied at each replica's own step: its fragment, time and metric
+        # sums wait for the next exchange, where every rank meets, to be summed and reported
+        self.unreported: tuple[int, float, torch.Tensor] | None = None
 
     @property
     def checkpoint_part(self) -> OuterState:
@@ -93,6 +96,24 @@ class DiLoCoAverager(ReplicaAverager):
     def first_local_steps(self) -> int:
         """DiLoCo's first sync follows a whole stride of local steps, period/fragments (fragment_due)."""
         return self.period // self.fragment_count
+
+    def delay(self) -> int:
+        """This replica's local steps from a sync's start to its apply: `sync_delay`; with a Pace, the same
+        share of its planned stride as `sync_delay` is of the fastest's (rounded down, before its next
+        exchange), so every replica applies after about the same wall time; at least 1, so that at an
+        exchange (where saves fall) every replica holds the sync just started in flight, as rank 0's
+        checkpoint part says: a replica of one step per stride applies it at the next exchange, first."""
+        if self.pace is None or self.sync_delay == 0:
+            return self.sync_delay
+        planned = self.pace.planned()[self.pace.replica]
+        return max(1, min(planned - 1, self.sync_delay * planned // self.pace.period))
+
+    def apply_step(self, sync: SyncInFlight) -> int:
+        """The averager step after which `sync` is applied: as started; with a Pace, this replica's own
+        (a checkpoint holds rank 0's): `delay()` after the exchange that began the period under way."""
+        if self.pace is None:
+            return sync.apply_step
+        return self.pace.first_step - 1 + self.delay()
 
     def fragment_due(self) -> int | None:
         """The fragment whose sync falls on this step, if any."""
@@ -108,17 +129,17 @@ class DiLoCoAverager(ReplicaAverager):
         without `sync_delay`)."""
         self.uncommitted = None
         in_flight = self.outer.in_flight
-        if in_flight is not None and in_flight.apply_step == self.step:
+        if in_flight is not None and self.apply_step(in_flight) == self.step:
             self.finish_sync()
-        elif in_flight is not None and in_flight.apply_step - self.sync_delay // 2 == self.step:
+        elif in_flight is not None and self.apply_step(in_flight) - self.delay() // 2 == self.step:
             start = time.perf_counter()
             in_flight.advance()  # halfway: a narrow dtype's all-gather goes under the rest of the window
             in_flight.blocked_s += time.perf_counter() - start
         fragment = self.fragment_due()
         if fragment is not None:
-            scale = self.pace.weights(self.pace.exchange(self.step)) if self.pace is not None else None
+            scale = self.pace.weights(self.exchange()) if self.pace is not None else None
             self.start_sync(fragment, scale)
-            if self.sync_delay == 0:
+            if self.delay() == 0:
                 self.finish_sync()
             if self.pace is not None:
                 self.pace.after_exchange(self.traffic, committed=self.uncommitted is None)
@@ -126,12 +147,25 @@ class DiLoCoAverager(ReplicaAverager):
             self.outer.set_from_params(range(len(self.outer.params)))
         self.step += 1
 
+    def exchange(self) -> list[int]:
+        """The Pace's exchange at this step; a delayed sync applied since the last one is summed over
+        every rank on it and reported on this step's row. Returns the Pace's `completed`."""
+        carried = None
+        if self.sync_delay > 0:  # every rank sends the slots, so that all send the same figures
+            carried = self.unreported[2] if self.unreported is not None else torch.zeros(3, dtype=torch.float64)
+        completed = self.pace.exchange(self.step, carried)
+        if self.unreported is not None:
+            fragment, time_s, _ = self.unreported
+            self.report(fragment, time_s, self.pace.carried)
+            self.unreported = None
+        return completed
+
     def start_sync(self, fragment: int, scale: float | None = None) -> None:
         """Form the fragment's pseudo-gradients and start averaging them across replicas, each
         scaled by `scale` first when given (a weighted mean: `Pace.weights`); their bytes count on
         the next logged row."""
         start = time.perf_counter()
-        self.outer.start_sync(fragment, self.step + self.sync_delay, self.link, self.comm_dtype, scale)
+        self.outer.start_sync(fragment, self.step + self.delay(), self.link, self.comm_dtype, scale)
         self.outer.in_flight.blocked_s = time.perf_counter() - start
         self.traffic.add_averaging(sum(c.nbytes for c in self.outer.in_flight.collectives))
 
@@ -148,14 +182,21 @@ class DiLoCoAverager(ReplicaAverager):
             self.uncommitted = lambda: self._redo(sync)
             return
         synchronize(device)
+        if self.pace is not None and self.sync_delay > 0:  # at this replica's own step: see `unreported`
+            self.unreported = (sync.fragment, sync.blocked_s + time.perf_counter() - start, sums)
+            return
         dist.all_reduce(sums)  # over every rank: replicas repeat the mean, so divide those sums by the replica count
         self.link.sum_over_replicas(sums)
+        self.report(sync.fragment, sync.blocked_s + time.perf_counter() - start, sums)
+
+    def report(self, fragment: int, time_s: float, sums: torch.Tensor) -> None:
+        """A sync's row: its fragment, the time it held training up, and its metric sums over every rank."""
         replicas = self.link.size()
         self.traffic.averaged = {
-            metrics.AVERAGER_TIME: sync.blocked_s + time.perf_counter() - start,
+            metrics.AVERAGER_TIME: time_s,
             metrics.AVERAGER_PSEUDO_GRAD_NORM: (sums[2] / replicas).sqrt().item(),
             metrics.AVERAGER_OUTER_LR: self.outer.optimizer.param_groups[0]["lr"],
-            metrics.AVERAGER_FRAGMENT: sync.fragment,
+            metrics.AVERAGER_FRAGMENT: fragment,
         }
         if sums[0] >= 0:  # negative: the pseudo-gradients of a resumed window are gone, so is the drift
             self.traffic.averaged[metrics.AVERAGER_DRIFT] = (sums[0] / sums[1].clamp_min(1e-30)).sqrt().item()

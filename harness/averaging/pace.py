@@ -180,6 +180,7 @@ class Pace:
         self.undo: tuple | None = None  # the plan before the last exchange, while it may not commit
         self.rejoined = False  # healed from a peer (fault tolerance): its step time restarts from its peers'
         self.exchanged = False  # this step was an exchange: every rank met at it
+        self.carried: torch.Tensor | None = None  # the last exchange's `carried` figures, summed over every rank
 
     def observe(self, loss: torch.Tensor) -> None:
         """The loss of the step being taken (a device tensor: read at the next exchange, not now)."""
@@ -228,13 +229,17 @@ class Pace:
             return self.start_done + sum(self.local_steps)
         return self.start_done
 
-    def exchange(self, step: int) -> list[int]:
-        """At this replica's exchange after averager step `step`: share the figures, plan the next
-        period. Returns each replica's local steps in the period that ends here (the average's weights)."""
+    def exchange(self, step: int, carried: torch.Tensor | None = None) -> list[int]:
+        """At this replica's exchange after averager step `step`: share the figures (and `carried`, an
+        averager's float64 figures to sum over every rank: `self.carried`), plan the next period.
+        Returns each replica's local steps in the period that ends here (the average's weights)."""
         synchronize(self.device)  # the clock stops at finished work
         arrived = time.perf_counter()
         mine, r, n = step + 1 - self.began, self.replica, self.replicas  # the local steps it trained
-        shared = torch.zeros(3 * n + 3, dtype=torch.float64, device=self.device)
+        extra = 0 if carried is None else carried.numel()
+        shared = torch.zeros(3 * n + 3 + extra, dtype=torch.float64, device=self.device)
+        if carried is not None:
+            shared[3 * n + 3 :] = carried
         if self.leads:  # one figure per replica; a step time of -1: restarted, take the peers' median
             if self.rejoined:
                 shared[r] = -1.0
@@ -250,6 +255,7 @@ class Pace:
         dist.all_reduce(shared)  # every rank of the world is at this exchange
         if self.link is not None:
             self.link.sum_over_replicas(shared)  # and every replica group in the quorum (fault tolerance)
+        self.carried = shared[3 * n + 3 :] if carried is not None else None
         figures = shared.tolist()
         self.undo = (self.period, list(self.local_steps), list(self.step_times), self.first_loss, list(self.trained))
         ranks = max(figures[3 * n + 1], 1.0)
