@@ -205,21 +205,6 @@ SETTLED = [
         ["averager.period_schedule=adacomm with averager.period=2 and averager.fragments=2", "Fix: a longer"],
     ),
     (
-        "balance by time with a delayed sync under ft",
-        [
-            "fault_tolerance=torchft",
-            "sharding=no_shard",
-            "averager=diloco",
-            "averager.fragments=2",
-            "averager.sync_delay=1",
-            "averager.balance=time",
-        ],
-        [
-            "averager.balance=time with averager.sync_delay=1 and fault_tolerance=torchft",
-            "Fix: averager.sync_delay=0",
-        ],
-    ),
-    (
         "balance by time under ddp",
         ["sharding=ddp", "averager=periodic", "averager.balance=time"],
         ["averager.balance=time with sharding=ddp", "Fix: sharding=no_shard"],

@@ -49,12 +49,15 @@ AVERAGERS = {
         "averager.fragments=2",
         "averager.balance=time",
     ],
-    "streaming_adacomm": [  # each sync applied a step after it starts, its figures summed at the next exchange
+    # each sync applied a step after it starts (the slowed group's one step per stride: at once), its figures
+    # summed at the next exchange; adacomm too
+    "streaming_delayed_balanced": [
         "averager=diloco",
         "averager.warmup_steps=4",
         "averager.period=8",
         "averager.fragments=2",
         "averager.sync_delay=1",
+        "averager.balance=time",
         "averager.period_schedule=adacomm",
     ],
     "streaming_diloco": [  # in 8 bits, and saving: the kill is aimed inside one of group 1's saves

@@ -100,13 +100,16 @@ class DiLoCoAverager(ReplicaAverager):
     def delay(self) -> int:
         """This replica's local steps from a sync's start to its apply: `sync_delay`; with a Pace, the same
         share of its planned stride as `sync_delay` is of the fastest's (rounded down, before its next
-        exchange), so every replica applies after about the same wall time; at least 1, so that at an
-        exchange (where saves fall) every replica holds the sync just started in flight, as rank 0's
-        checkpoint part says: a replica of one step per stride applies it at the next exchange, first."""
+        exchange), so every replica applies after about the same wall time. At least 1 in one world, so
+        that at an exchange (where saves fall) every replica holds the sync just started in flight, as
+        rank 0's checkpoint part says: a replica of one step per stride applies it at the next exchange,
+        first. Under fault tolerance each group saves its own part, and an apply (its commit) at the next
+        exchange would fall after that exchange's quorum, which counts commits to choose whom to heal:
+        there a replica of one step per stride applies at once."""
         if self.pace is None or self.sync_delay == 0:
             return self.sync_delay
         planned = self.pace.planned()[self.pace.replica]
-        return max(1, min(planned - 1, self.sync_delay * planned // self.pace.period))
+        return max(0 if self.link.needs_commit else 1, min(planned - 1, self.sync_delay * planned // self.pace.period))
 
     def apply_step(self, sync: SyncInFlight) -> int:
         """The averager step after which `sync` is applied: as started; with a Pace, this replica's own

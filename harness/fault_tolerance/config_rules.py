@@ -82,14 +82,6 @@ def config_errors(cfg: DictConfig, replicas: int | None) -> list[str]:
             "groups committed, but in backward each parameter steps before that is known. Fix: "
             "optimizer.in_backward=false, or an averager with averager.warmup_steps=0."
         )
-    if str(cfg.averager.get("balance", "steps")) == "time" and cfg.averager.get("sync_delay", 0) > 0:
-        errors.append(
-            f"averager.balance=time with averager.sync_delay={cfg.averager.sync_delay} and fault_tolerance=torchft: "
-            "a delayed sync commits where it is applied (torchft's should_commit, a decision of every replica "
-            "group in the quorum), and under balance=time each group applies it at a local step of its own, at a "
-            "time of its own (not built). Fix: averager.sync_delay=0 (Streaming DiLoCo's fragments work), or "
-            "averager.balance=steps, or fault_tolerance=none."
-        )
     if target is not None and "Hierarchical" in str(target):
         errors.append(
             "averager=hierarchical with fault_tolerance=torchft: it averages within fixed subsets of replicas, "
