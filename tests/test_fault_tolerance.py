@@ -42,16 +42,9 @@ AVERAGERS = {
     # padded to 0.3 s a step, several times group 0's step, and a period of its steps well inside a collective's
     # timeout; 20x its own compute was that on a quiet host, and past the timeout on a loaded one)
     "periodic_balanced": ["averager=periodic", "averager.warmup_steps=4", "averager.period=4", "averager.balance=time"],
-    "streaming_balanced": [  # both: group 1 slowed as above
-        "averager=diloco",
-        "averager.warmup_steps=4",
-        "averager.period=8",
-        "averager.fragments=2",
-        "averager.balance=time",
-    ],
-    # each sync applied a step after it starts (the slowed group's one step per stride: at once), its figures
-    # summed at the next exchange; adacomm too
-    "streaming_delayed_balanced": [
+    # Streaming DiLoCo's fragments, group 1 slowed as above; each sync applied a step after it starts (the slowed
+    # group's one step per stride: at once), its figures summed at the next exchange; adacomm too
+    "streaming_balanced": [
         "averager=diloco",
         "averager.warmup_steps=4",
         "averager.period=8",

@@ -189,9 +189,8 @@ SMALL = [
 AVERAGERS = {  # their keys for a largest period of 8, their stride between exchanges, their replicas
     "periodic": (["averager=periodic", "averager.period=8"], 8, 2),
     "diloco": (["averager=diloco", "averager.period=8"], 8, 2),
-    "streaming": (["averager=diloco", "averager.period=8", "averager.fragments=2"], 4, 2),
-    # each sync applied 2 local steps after it starts (Streaming DiLoCo's overlap)
-    "streaming_delayed": (
+    # Streaming DiLoCo's 2 fragments, each sync applied 2 local steps after it starts (its overlap)
+    "streaming": (
         ["averager=diloco", "averager.period=8", "averager.fragments=2", "averager.sync_delay=2"],
         4,
         2,
@@ -234,15 +233,9 @@ ADACOMM = "averager.period_schedule=adacomm"
 SLOWED = {  # keys, fragments, the slowed last replica's pad, its local steps to the fastest's stride, steps
     # adacomm from a stride of 4 between exchanges; replica 1 eight times slower
     "periodic": (["averager=periodic", "averager.period=4", ADACOMM], 1, "0:0.05s,1:0.4s", 1, 24),
+    # Streaming DiLoCo's 2 fragments, each sync applied 2 of replica 0's local steps after it starts (the slow
+    # replica's 1 step: at the next exchange)
     "streaming": (
-        ["averager=diloco", "averager.period=8", "averager.fragments=2", ADACOMM],
-        2,
-        "0:0.05s,1:0.4s",
-        1,
-        24,
-    ),
-    # each sync applied 2 of replica 0's local steps after it starts; the slow replica's 1 step: at once
-    "streaming_delayed": (
         ["averager=diloco", "averager.period=8", "averager.fragments=2", "averager.sync_delay=2", ADACOMM],
         2,
         "0:0.05s,1:0.4s",
