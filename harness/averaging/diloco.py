@@ -109,7 +109,8 @@ class DiLoCoAverager(ReplicaAverager):
         if self.pace is None or self.sync_delay == 0:
             return self.sync_delay
         planned = self.pace.planned()[self.pace.replica]
-        return max(0 if self.link.needs_commit else 1, min(planned - 1, self.sync_delay * planned // self.pace.period))
+        share = min(planned - 1, self.sync_delay * planned // self.pace.period)
+        return share if self.link.needs_commit else max(1, share)
 
     def apply_step(self, sync: SyncInFlight) -> int:
         """The averager step after which `sync` is applied: as started; with a Pace, this replica's own
