@@ -112,8 +112,9 @@ AVERAGER_DRIFT = Metric(
     "averager/drift",
     "",
     SYNC,
-    "how far the replicas had drifted apart just before averaging: sqrt(Σ‖x_r − x̄‖² / Σ‖x̄‖²) over all local shards "
-    "(not for a DiLoCo sync applied after a resume inside its delay window)",
+    "how far the replicas had drifted apart just before averaging: sqrt(Σ‖x_r − x̄‖² / Σ‖x̄‖²) over the averaging "
+    "group's local shards (hierarchical: rank 0's group; not for a DiLoCo sync applied after a resume inside its "
+    "delay window)",
 )
 AVERAGER_TIME = Metric(
     "averager/time_s",

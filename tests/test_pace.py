@@ -211,11 +211,12 @@ def test_equal_replicas_train_with_balance_time_what_balance_steps_trains(averag
     """Equally fast replicas stay within the dead band: every stride between exchanges is `period`
     steps each (Streaming DiLoCo's: period/fragments; the last one cut; a hierarchy's pairs meet at
     every 2 steps of it as `balance=steps` has them), and the run ends bit for bit where `balance=steps`
-    ends (every replica's parameters and optimizer state). Equally fast: each step's compute padded to
-    0.1 s (HARNESS_TEST_SLOWDOWN), since 10 ms steps on a host loaded by other tests differed by more
-    than the dead band."""
+    ends (every replica's parameters and optimizer state); so does the `balance=steps` run resumed with
+    `balance=time` from its checkpoint at step 15, inside a period (Streaming DiLoCo's: inside a sync's
+    delay). Equally fast: each step's compute padded to 0.1 s (HARNESS_TEST_SLOWDOWN), since 10 ms steps
+    on a host loaded by other tests differed by more than the dead band."""
     keys, stride, replicas = AVERAGERS[averager]
-    common = [*layout(replicas), *keys, "train.steps=29", "checkpoint.interval=100"]
+    common = [*layout(replicas), *keys, "train.steps=29", "checkpoint.interval=15"]
     env = {**cli_env, "HARNESS_TEST_SLOWDOWN": ",".join(f"{r}:0.1s" for r in range(replicas))}
     for balance in ("steps", "time"):
         check_ok(run_cli([*common, f"averager.balance={balance}", f"hydra.run.dir={balance}"], env, tmp_path))
@@ -227,6 +228,13 @@ def test_equal_replicas_train_with_balance_time_what_balance_steps_trains(averag
     last = 29 - rows[-1]["train/step"]  # the last period (no exchange ends it), planned from measured times
     assert meta["cross_replica"]["pace"]["local_steps"] == [last] * replicas
     assert_same(final_state(tmp_path / "steps", 29), final_state(tmp_path / "time", 29))
+    middle = tmp_path / "steps" / "checkpoints" / "step_15"
+    check_ok(
+        run_cli(
+            [*common, "averager.balance=time", f"checkpoint.resume={middle}", "hydra.run.dir=resumed"], env, tmp_path
+        )
+    )
+    assert_same(final_state(tmp_path / "steps", 29), final_state(tmp_path / "resumed", 29))
 
 
 ADACOMM = "averager.period_schedule=adacomm"
