@@ -185,14 +185,14 @@ class HierarchicalReplicaAverager(ReplicaAverager):
         return None if period is None else self.period_groups[period]
 
     def average_parameters(self, params) -> None:
-        if self.pace is not None and (meeting := self.level_meeting()) is not None:
+        if self.pace is not None and (meeting := self.inner_meeting()) is not None:
             period, scale = meeting
             start = time.perf_counter()
             self._average(params, self.period_groups[period], scale)  # ends synchronized with the device
             self.pace.met(time.perf_counter() - start)
         super().average_parameters(params)
 
-    def level_meeting(self) -> tuple[int, float | None] | None:
+    def inner_meeting(self) -> tuple[int, float | None] | None:
         """The level below all replicas whose group meets after this step, and this replica's scale for
         its weighted mean (`mean_weight`), or None."""
         pace = self.pace
