@@ -156,6 +156,7 @@ class DiLoCoAverager(ReplicaAverager):
         every rank on it and reported on this step's row. Returns the Pace's `completed`."""
         carried = None
         if self.sync_delay > 0:  # every rank sends the slots, so that all send the same figures
+            # the sums are the outer step's, on this stream: `Pace.exchange` synchronizes before it reads them
             carried = self.unreported[2] if self.unreported is not None else torch.zeros(3, dtype=torch.float64)
         completed = self.pace.exchange(self.step, carried)
         if self.unreported is not None:
