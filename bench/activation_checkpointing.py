@@ -52,7 +52,7 @@ def measure(overrides: list[str], mode: str, steps: int) -> tuple[float, float]:
             for _ in range(steps):
                 synchronize(env.device)
                 start = time.perf_counter()
-                trainer.run(until=trainer.state.step + 1)
+                trainer.run(until=trainer.clock.step + 1)
                 synchronize(env.device)
                 times.append(time.perf_counter() - start)
         held = activation_bytes(job.model, job.data.next_batch(), env.device)

@@ -204,10 +204,10 @@ def build_path(name: str, compiled: bool, cfg, env, plan: RunPlan, run_dir: Path
         trainer = stack.enter_context(Trainer(job, cfg, env, path_dir))  # checkpoint=none: only its per-step checks
 
         def steps(n: int) -> None:
-            trainer.run(until=trainer.state.step + n)
+            trainer.run(until=trainer.clock.step + n)
 
         def to_log_step() -> None:
-            steps(-trainer.state.step % cfg.train.log_every)
+            steps(-trainer.clock.step % cfg.train.log_every)
 
         info = {
             "mesh": dict(zip(job.mesh.mesh_dim_names, job.mesh.shape)),

@@ -72,7 +72,7 @@ def rank(cfg, run_dir: Path, plan, args: argparse.Namespace) -> None:
             job_dir.mkdir(exist_ok=True)
             trainer = Trainer(build_job(job_cfg, env, plan), job_cfg, env, job_dir).__enter__()
             trainers.append(trainer)
-            runners[name] = lambda n, t=trainer: t.run(until=t.state.step + n)
+            runners[name] = lambda n, t=trainer: t.run(until=t.clock.step + n)
             runners[f"plain {name}"] = plain_steps(cfg, env.device, batch, accum)
         times: dict[str, list[float]] = {name: [] for name in runners}
         for round_ in range(args.rounds + 1):

@@ -66,7 +66,7 @@ def rank(llama, run_dir: Path, plan, hf, args: argparse.Namespace) -> None:
                 synchronize(env.device)
                 dist.barrier()
                 start = time.perf_counter()
-                trainer.run(until=trainer.state.step + args.steps)
+                trainer.run(until=trainer.clock.step + args.steps)
                 synchronize(env.device)
                 dist.barrier()
                 spent[name] += time.perf_counter() - start

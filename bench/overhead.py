@@ -112,7 +112,7 @@ def worker(
                 models["DDP"], loops["DDP"] = plain(cfg, env, gradients="ddp")
 
             def run_harness(n: int) -> None:
-                trainer.run(until=trainer.state.step + n)
+                trainer.run(until=trainer.clock.step + n)
 
             paths = {"harness": run_harness, **loops}
             times = {name: [] for name in paths}
@@ -130,7 +130,7 @@ def worker(
                     times[name].append((time.perf_counter() - start) / steps_per_round)
 
             # count steps that do not log: every path first trains to the harness's next log step
-            to_log_step = -trainer.state.step % cfg.train.log_every or cfg.train.log_every
+            to_log_step = -trainer.clock.step % cfg.train.log_every or cfg.train.log_every
             for run in paths.values():
                 run(to_log_step)
             counts = {name: count_dispatch(run, count_steps) for name, run in paths.items()}

@@ -9,9 +9,15 @@ import torch
 from omegaconf import DictConfig
 from torch.distributed.device_mesh import DeviceMesh
 
-from harness.averaging import CrossReplica, GradientReduction, RunLength, local_optimizer, setup_cross_replica
+from harness.averaging import (
+    CrossReplica,
+    GradientReduction,
+    averaging_schedule,
+    local_optimizer,
+    setup_cross_replica,
+)
 from harness.averaging.link import ReplicaLink
-from harness.averaging.pace import PacedData
+from harness.clock import Clock
 from harness.data import TokenStream, build_data
 from harness.dist import DistEnv
 from harness.lr_schedules import LRSchedule, build_lr_schedule
@@ -65,6 +71,7 @@ class Job:
     optimizer: torch.optim.Optimizer
     data: TokenStream
     mesh: DeviceMesh
+    clock: Clock  # where the run stands: every part that acts on a schedule asks it
     cross_replica: CrossReplica | None  # None when there is a single replica
     lr_schedule: LRSchedule  # the local optimizer's learning rate, stepped after each optimizer step
     flops_per_token: float  # training FLOPs of the model per token, for train/mfu
@@ -77,8 +84,10 @@ class Job:
         return isinstance(local_optimizer(self.optimizer), StepInBackward)
 
     def checkpoint_parts(self) -> dict[str, Stateful]:
-        """The stateful parts a checkpoint keeps next to model, optimizer and RNG states."""
+        """The stateful parts a checkpoint keeps next to model, optimizer and RNG states, in the order a
+        load restores them (the clock first: the data position is anchored to it)."""
         return {
+            "clock": self.clock,
             "data": self.data,
             "cross_replica": self.cross_replica or _NoState(),
             "lr_scheduler": self.lr_schedule,
@@ -114,18 +123,18 @@ def build_job(cfg: DictConfig, env: DistEnv, plan: RunPlan, link: ReplicaLink | 
         reduction = GradientReduction(model, reduce_dtype, bucket_bytes)
     optimizer = build_local_optimizer(cfg.optimizer, model.parameters(), env.device)
     lr_schedule = build_lr_schedule(cfg.lr_scheduler, optimizer, cfg.train.steps)
-    # one replica's samples per local step: its ranks' batches, all micro-batches
-    replica = plan.replica_id if plan.replica_id is not None else mesh["replicate"].get_local_rank()
-    samples = cfg.train.batch_size * cfg.train.grad_accum * plan.shard
-    run = RunLength(cfg.train.steps, samples, plan.replicate, replica)
-    optimizer, cross_replica = setup_cross_replica(
-        model, optimizer, mesh, cfg.averager, plan.averaging, link, reduction, run
+    clock = Clock(
+        averaging_schedule(cfg.averager, plan.averaging),
+        cfg.train.steps,
+        plan.replicate,
+        plan.replica_id if plan.replica_id is not None else mesh["replicate"].get_local_rank(),
+        leads=mesh["shard"].get_local_rank() == 0,
+        samples_per_step=cfg.train.batch_size * cfg.train.grad_accum * plan.shard,  # one replica's, per local step
+        device=env.device,
+        sum_over_replicas=link.sum_over_replicas if link is not None else None,
     )
-    data = build_data(cfg, plan.rank_in_mesh(env.rank), plan.world_size, env.device)
-    pace = cross_replica.pace if cross_replica is not None else None
-    if pace is not None and pace.balances:  # each replica reads at its own pace
-        rank_samples = cfg.train.batch_size * cfg.train.grad_accum
-        data.paced = PacedData(
-            cross_replica.averager, mesh["shard"].get_local_rank(), rank_samples, run.samples_per_step
-        )
-    return Job(model, optimizer, data, mesh, cross_replica, lr_schedule, flops_per_token, reduction)
+    optimizer, cross_replica = setup_cross_replica(
+        model, optimizer, mesh, cfg.averager, clock, plan.averaging, link, reduction
+    )
+    data = build_data(cfg, plan.rank_in_mesh(env.rank), plan.world_size, env.device, clock, plan.shard)
+    return Job(model, optimizer, data, mesh, clock, cross_replica, lr_schedule, flops_per_token, reduction)

@@ -8,7 +8,6 @@ import contextlib
 import logging
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from harness import metrics
 from harness.averaging import local_optimizer, step_without_update
 from harness.checkpoint import Checkpointer, checkpoint_dir, load
+from harness.clock import Tick
 from harness.config import plain
 from harness.data import TokenStream
 from harness.dist import DistEnv, init_distributed, mean_over_ranks, node_of_each_rank, teardown
@@ -38,14 +38,6 @@ from harness.slowdown import slowdown_for
 from harness.throughput import memory_metrics, peak_flops
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TrainState:
-    """What the loop itself carries between steps (the rest of a checkpoint's
-    state lives in the job: model, optimizer and its stateful parts)."""
-
-    step: int = 0
 
 
 def run_rank(cfg: DictConfig, run_dir: Path, plan: RunPlan) -> None:
@@ -92,6 +84,7 @@ class Trainer:
         replica_group: int | None = None,
     ):
         self.job, self.cfg, self.env = job, cfg.train, env
+        self.clock = job.clock  # where the run stands: the loop moves it, every part asks it
         # fault_tolerance=torchft: this world is replica group `replica_group`, its peers behind the replica link
         self.replica_group = None
         if replica_group is not None:
@@ -109,14 +102,14 @@ class Trainer:
             )
         self.sink = MetricsSink(run_dir, wandb, run_config, enabled=env.is_main, tensorboard=cfg.metrics.tensorboard)
         self.nonfinite = NonFiniteGuard(
-            cfg.train.nonfinite, local_optimizer(job.optimizer), env.device, cfg.train.log_every, job.steps_in_backward
+            cfg.train.nonfinite,
+            local_optimizer(job.optimizer),
+            env.device,
+            cfg.train.log_every,
+            job.steps_in_backward,
+            job.mesh.get_group("shard"),
         )
-        self.state = TrainState()
-        pace = job.cross_replica.pace if job.cross_replica is not None else None
-        # averager.balance=time: replicas take their own number of local steps; they meet at exchanges
-        self.pace = pace if pace is not None and pace.balances else None
-        replica = replica_group if replica_group is not None else job.mesh["replicate"].get_local_rank()
-        self.slowdown = slowdown_for(replica)  # tests and benches only
+        self.slowdown = slowdown_for(self.clock.replica)  # tests and benches only
         self.profiler = None
         if resume_from is not None:
             try:
@@ -136,87 +129,69 @@ class Trainer:
         try:
             if exc_type is None:
                 if final := self.checkpointer.wait():  # the last async save is durable before we exit
-                    self.sink.log(final, self.state.step)
+                    self.sink.log(final, self.clock.step)
                 self.checkpointer.close()
                 if self.job.cross_replica is not None:
                     self.job.cross_replica.wait()
                 dist.barrier()  # no rank tears down while a peer still has collectives in flight
-                if self.replica_group is not None and self.state.step >= self.cfg.steps:
+                if self.replica_group is not None and self.clock.finished:
                     self.replica_group.finish()
         finally:
             self.sink.close()
 
     def restore(self, path: Path) -> None:
         """Resume from the checkpoint at `path`; its load metrics are logged at its step."""
-        meta, row = load(path, self.job, self.env.rank)
-        self.state.step = meta["step"]
-        log.info("resumed from %s at step %d (%.2f s)", path, self.state.step, row[metrics.CHECKPOINT_LOAD])
-        self.sink.rewind(self.state.step)  # rows past the checkpoint are about to be logged again
-        row[metrics.RUN_RESUMED_FROM] = self.state.step
+        _, row = load(path, self.job, self.env.rank)
+        step = self.clock.step
+        log.info("resumed from %s at step %d (%.2f s)", path, step, row[metrics.CHECKPOINT_LOAD])
+        self.sink.rewind(step)  # rows past the checkpoint are about to be logged again
+        row[metrics.RUN_RESUMED_FROM] = step
         row[metrics.RUN_RESTARTS] = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-        self.sink.log(row, self.state.step)
+        self.sink.log(row, step)
 
     def run(self, until: int | None = None) -> None:
-        """Train until step `until` (default and at most `train.steps`): forward,
-        backward, step (+ averaging across replicas), eval, checkpoint, log."""
-        job, cfg, state = self.job, self.cfg, self.state
-        until = cfg.steps if until is None else min(until, cfg.steps)
-        self._clock = time.perf_counter(), state.step
-        self._last_met = state.step  # the last step every rank took together (log, eval and save fall on those)
-        while state.step < until:
-            if self.replica_group is not None:  # a quorum, when this step crosses replicas; a heal sets state.step
-                self.replica_group.before_step()
-            since, synchronous = state.step, job.cross_replica is None or job.cross_replica.synchronous
-            step = self._step_after(since)
-            # a synchronous step's backward holds the gradient exchange, which a slower device would not stretch
-            slowed = self.slowdown is not None and not synchronous
-            if slowed:
-                self.slowdown.begin()
-            loss = self._forward_backward()
-            grad_norm = None  # in backward each gradient was freed once its parameter stepped
-            if not job.steps_in_backward:  # the norm is also the non-finite check, on the device
-                grad_norm = clip_grad_norm_(job.model.parameters(), cfg.grad_clip)
-            if slowed:
-                self.slowdown.after_compute(self.env.device)
-            # balance=time, a local step: this replica's ranks alone agree, on the step as it counts them
-            local = self.pace is not None and not synchronous
-            check_step = job.cross_replica.averager.step + 1 if local else step
-            finite = self.nonfinite.check(  # False: skipped by the host's check
-                check_step, loss, grad_norm, job.mesh.get_group("shard") if local else None
-            )
+        """Train until step `until` (default and at most `train.steps`): each local step as the clock
+        says it is: forward, backward, step (+ averaging across replicas), eval, checkpoint, log."""
+        job, clock = self.job, self.clock
+        until = self.cfg.steps if until is None else min(until, self.cfg.steps)
+        self._since = time.perf_counter(), clock.step  # the progress line's clock
+        while clock.step < until and not clock.finished:
+            tick = clock.next()
+            if job.cross_replica is not None:
+                job.cross_replica.before_step()  # DiLoCo: a delayed sync due before the forward
+            if self.replica_group is not None:  # a quorum where the step crosses replicas; a heal moves the clock
+                tick = self.replica_group.before_step(tick)
+            loss, grad_norm = self._forward_backward(tick)
+            clock.computed(loss)  # a period's step time ends here; its length may follow the loss (adacomm)
+            finite = self.nonfinite.check(tick, loss, grad_norm)  # False: skipped by the host's check
             self.checkpointer.wait_for_staging()  # an async save copies the parameters before they change
-            if job.cross_replica is not None and job.cross_replica.pace is not None:
-                job.cross_replica.pace.observe(loss)  # the period's length may follow it (adacomm)
-            if finite and (self.replica_group is None or self.replica_group.gradients_committed()):
-                job.optimizer.step()  # with an averager: the local step, then maybe averaging across replicas
-            else:  # a skipped step still counts, as one skipped on the device does: maybe averaging across replicas
+            if finite and (self.replica_group is None or self.replica_group.gradients_committed(tick)):
+                job.optimizer.step()  # with an averager: the local step, then what the clock says crosses replicas
+            else:  # a skipped step still counts, as one skipped on the device does: what falls after it happens
                 if finite:  # fault tolerance: a synchronous step whose gradient exchange did not commit
-                    log.warning("step %d: the gradient exchange across replica groups failed; step skipped", step)
+                    log.warning("step %d: the gradient exchange across replica groups failed; step skipped", tick.step)
                 step_without_update(job.optimizer)
-            if self.replica_group is not None and step == cfg.steps:  # the run ends with the survivors' average
-                self.replica_group.complete_the_last_exchange()
+            if self.replica_group is not None and tick.last:  # the run ends with the survivors' average
+                self.replica_group.complete_the_last_exchange(tick)
             job.optimizer.zero_grad(set_to_none=True)
             lr = job.lr_schedule.lr  # the rate this step trained at, for the log
-            for _ in range(step - since):  # the learning rate is a function of the step, skipped steps included
+            for _ in range(tick.lr_steps):  # the learning rate is a function of the step, skipped steps included
                 job.lr_schedule.step()
-            state.step = step
-            self._after_step(since, step, loss, grad_norm, lr, finite, synchronous, check_step)
-            if job.cross_replica is not None and job.cross_replica.pace is not None:
-                job.cross_replica.pace.after_step()  # an exchange's log, eval and save are left out of step times
+            clock.advance()
+            self._after_step(tick, loss, grad_norm, lr, finite)
             if self.profiler is not None:
                 self.profiler.step()
 
-    def _step_after(self, since: int) -> int:
-        """The run's step once this step is taken: the next, or with `averager.balance=time` the global
-        step the replicas' local steps add up to (`Pace.global_step`: it may stay, or move by several)."""
-        if self.pace is None:
-            return since + 1
-        return self.pace.global_step(self.job.cross_replica.averager.step + 1)
-
-    def _forward_backward(self) -> torch.Tensor:
-        """Forward and backward over the step's `train.grad_accum` micro-batches, each
-        loss scaled by 1/K so the gradients add up to one batch of K·B's; their mean loss."""
+    def _forward_backward(self, tick: Tick) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Forward and backward over the step's `train.grad_accum` micro-batches, each loss scaled by
+        1/K so the gradients add up to one batch of K·B's, then the gradient norm (clipped; it is
+        also the non-finite check, on the device). Returns their mean loss and the norm (None with
+        the optimizer in backward: each gradient was freed once its parameter stepped)."""
         job, micro_batches = self.job, self.cfg.grad_accum
+        # a synchronous step's backward holds the gradient exchange, which a slower device would not stretch
+        slowed = self.slowdown is not None and not tick.synchronous
+        if slowed:
+            self.slowdown.begin()
         loss = None
         for micro in range(micro_batches):
             inputs, targets = job.data.next_batch()
@@ -228,62 +203,46 @@ class Trainer:
                     self.checkpointer.wait_for_staging()
                 self.nonfinite.backward(micro_loss)  # a non-finite loss makes the gradients NaN
             loss = micro_loss.detach() if loss is None else loss + micro_loss.detach()
-        return loss
+        grad_norm = None if job.steps_in_backward else clip_grad_norm_(job.model.parameters(), self.cfg.grad_clip)
+        if slowed:
+            self.slowdown.after_compute(self.env.device)
+        return loss, grad_norm
 
     def _after_step(
-        self,
-        since: int,
-        step: int,
-        loss: torch.Tensor,
-        grad_norm: torch.Tensor | None,
-        lr: float,
-        finite: bool,
-        synchronous: bool,
-        check_step: int,
+        self, tick: Tick, loss: torch.Tensor, grad_norm: torch.Tensor | None, lr: float, finite: bool
     ) -> None:
-        """Eval and checkpoint when due; log this step's row on log steps and on
-        steps where something happened (averaging, eval, a save, a skipped step).
-        With `averager.balance=time` these fall only where every rank meets: an
-        exchange, a synchronous step, the last step; `check_step` is the step as the
-        non-finite check counted it (a replica's own count, there)."""
+        """Where every rank meets (the clock's meetings: every step with replicas in step), eval and
+        checkpoint when due, and log this step's row on log steps and on steps where something happened
+        (averaging, eval, a save, a skipped step)."""
         job, cfg = self.job, self.cfg
-        averaged = job.cross_replica is not None and job.cross_replica.averaged_this_step
-        if self.pace is not None:  # the Pace's exchanges are where every rank meets (one that did not commit too)
-            averaged = self.pace.exchanged
-        if self.pace is not None and not (averaged or synchronous or step == cfg.steps):
+        if not tick.meeting:
             if not finite:  # the host's check skipped it: a row of rank 0's own
-                self.sink.log({metrics.TRAIN_SKIPPED_NONFINITE: 1}, step)
+                self.sink.log({metrics.TRAIN_SKIPPED_NONFINITE: 1}, tick.step)
             return
-        met = self._last_met if self.pace is not None else since  # a heal may have moved `since`
-        self._last_met = step
-
-        def reached(every: int) -> bool:  # a multiple of `every` since the last meeting
-            return every > 0 and (step // every > met // every or step == cfg.steps)
-
-        log_step = met == 0 or reached(cfg.log_every)
+        averaged = tick.exchange is not None or (job.cross_replica is not None and job.cross_replica.averaged_this_step)
+        log_step = tick.met == 0 or tick.reached(cfg.log_every)
+        evaluated = tick.reached(cfg.eval_every)
+        saving = self.checkpointer.due(tick)
         row = {}
-        evaluated = reached(cfg.eval_every)
-        saving = self.checkpointer.due(step, cfg.steps, met)
-        waits = log_step or averaged or evaluated or saving  # the host waits anyway
-        if waits or self.nonfinite.due(check_step):
-            row.update(self.nonfinite.report(check_step))  # train.nonfinite=error raises here, before eval and save
+        if log_step or averaged or evaluated or saving or self.nonfinite.due(tick):  # the host waits anyway
+            row.update(self.nonfinite.report(tick))  # train.nonfinite=error raises here, before eval and save
         if evaluated:
             row.update(evaluate(job.model, job.data, cfg.eval_batches))
-        saved = self.checkpointer.after_step(job, step, cfg.steps, met)
+        saved = self.checkpointer.after_step(job, tick)
         row.update(saved)
         if not finite:
             row[metrics.TRAIN_SKIPPED_NONFINITE] = 1
         if self.replica_group is not None:
             row.update(self.replica_group.step_metrics())
         if log_step:
-            row.update(self._progress(step, loss, grad_norm, lr, row.get(metrics.EVAL_LOSS)))
+            row.update(self._progress(tick.step, loss, grad_norm, lr, row.get(metrics.EVAL_LOSS)))
         elif evaluated and self.env.is_main:
-            log.info("step %d/%d | eval loss %.4f", step, cfg.steps, row[metrics.EVAL_LOSS])
+            log.info("step %d/%d | eval loss %.4f", tick.step, cfg.steps, row[metrics.EVAL_LOSS])
         skipped = metrics.TRAIN_SKIPPED_NONFINITE in row  # this step (the host's check), or reported here
         if log_step or averaged or evaluated or saved or skipped or metrics.FT_QUORUM_TIME in row:
             if job.cross_replica is not None:  # its bytes since the previous logged row
                 row.update(job.cross_replica.step_metrics())
-            self.sink.log(row, step)
+            self.sink.log(row, tick.step)
 
     def _progress(
         self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | None, lr: float, eval_loss: float | None
@@ -291,7 +250,7 @@ class Trainer:
         """Loss, speed and memory since the previous log step; rank 0 prints a line (with
         this step's `eval_loss`, if it evaluated)."""
         mean_loss = mean_over_ranks(loss)  # also waits for the device, so the clock below is honest
-        since, since_step = self._clock
+        since, since_step = self._since
         step_time = (time.perf_counter() - since) / (step - since_step)
         tokens_per_s = self.cfg.grad_accum * self.cfg.batch_size * self.cfg.seq_len * self.env.world_size / step_time
         row = {
@@ -317,7 +276,7 @@ class Trainer:
                 f"{tokens_per_s:,.0f}",
                 step_time,
             )
-        self._clock = time.perf_counter(), step
+        self._since = time.perf_counter(), step
         return row
 
 

@@ -20,7 +20,6 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from harness import fault_tolerance, lr_schedules, sinks
-from harness.averaging.schedule import synchronous
 from harness.components import target_class
 from harness.config import EXTRA_KEYS, ConfigError, ProfileConf, Strategy
 from harness.data import data_source
@@ -53,7 +52,7 @@ def config_warnings(cfg: DictConfig) -> list[str]:
     """Configs that run but probably not as meant (a short smoke run, or a preset's settings kept while
     one part is switched off, is a fair reason)."""
     avg, warnings = cfg.averager, []
-    if averager_configured(cfg) and synchronous(cfg.train.steps - 1, avg.get("warmup_steps", 0)):
+    if averager_configured(cfg) and cfg.train.steps <= avg.get("warmup_steps", 0):
         warnings.append(
             f"averager.warmup_steps={avg.warmup_steps} >= train.steps={cfg.train.steps}: every step is "
             "synchronous and the averager never averages. For local SGD lower averager.warmup_steps; for "
@@ -316,16 +315,17 @@ def _check_sharding_and_averager(cfg: DictConfig, world_size: int, local_world_s
     errors += fault_tolerance.config_errors(cfg, replicate)
     if not averager_configured(cfg):
         return errors
-    # the gradient hooks and checkpoints ask an averager `synchronous` and `diverged`: a ReplicaAverager's
-    from harness.averaging import ReplicaAverager
+    # the clock asks an averager class its `schedule`, the loop its `before_step`: a ReplicaAverager's
+    from harness.averaging import SCHEDULE_KEYS, ReplicaAverager
 
     averager_cls, target_errors = target_class(
         avg,
         "averager",
         ReplicaAverager,
         "harness.averaging.ReplicaAverager",
-        ("mesh", "traffic", "model", "link", "run"),
+        ("mesh", "traffic", "clock", "model", "link"),
         "none|periodic|hierarchical|diloco",
+        SCHEDULE_KEYS,
     )
     errors += target_errors
     if replicate < 2:

@@ -275,6 +275,7 @@ def skipped_step_against_a_run_without_it(name: str, fused: bool, bad_step: int,
     """`train.nonfinite=skip` through the loop's own calls (`NonFiniteGuard.backward`, the norm, `check`,
     the step), for optimizer `name` on `device`: step `bad_step` has NaN gradients or an infinite loss
     (`bad`); it must leave every tensor as it was, and the next step must equal that of a run without it."""
+    from harness.clock import SYNCHRONOUS, Clock
     from harness.nonfinite import NonFiniteGuard
     from harness.optim import clip_grad_norm_
 
@@ -287,23 +288,26 @@ def skipped_step_against_a_run_without_it(name: str, fused: bool, bad_step: int,
         torch.manual_seed(1)
         model = torch.nn.Linear(4, 3).to(device)
         optimizer = cls(model.parameters(), lr=0.1, fused=fused or None, **hyper)
-        guard = NonFiniteGuard("skip", optimizer, device, log_every=10, steps_in_backward=False)
+        guard = NonFiniteGuard("skip", optimizer, device, log_every=10, steps_in_backward=False, replica_ranks=None)
         assert guard.on_device == fused
+        clock = Clock(SYNCHRONOUS, len(batches), 1, 0, True, 1, device)
         states = [snapshot(model, optimizer)]
         for step, x in enumerate(batches, start=1):
             if step == bad_step and skip_bad:
                 continue
+            tick = clock.next()
             loss = model(x).square().mean()
             if step == bad_step:
                 loss = loss * torch.tensor(float("nan"), device=device) if bad == "gradient" else loss + float("inf")
             guard.backward(loss)
             norm = clip_grad_norm_(model.parameters(), 1.0)
-            if guard.check(step, loss, norm):
+            if guard.check(tick, loss, norm):
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            clock.advance()
             states.append(snapshot(model, optimizer))
         if fused and not skip_bad:
-            assert guard.report(len(batches)) == {"train/skipped_nonfinite": 1}
+            assert guard.report(tick) == {"train/skipped_nonfinite": 1}
         return states
 
     seen, never = train(skip_bad=False), train(skip_bad=True)

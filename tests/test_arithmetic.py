@@ -26,6 +26,7 @@ from harness import metrics
 from harness.averaging import (
     CrossReplicaTraffic,
     DiLoCoAverager,
+    HierarchicalReplicaAverager,
     ReplicaAverager,
     average_local_shards,
     buckets,
@@ -33,8 +34,8 @@ from harness.averaging import (
     mean_over_group,
     outer_step,
     plan_fragments,
-    schedule,
 )
+from harness.clock import Clock, Schedule, Tick
 from harness.config import AdamWConf
 from harness.lr_schedules import build_lr_schedule
 from harness.models import GPT, Llama, TokenMLP
@@ -49,20 +50,38 @@ def fake_world_of_4():
     dist.destroy_process_group()
 
 
-def steps_where(rule, steps: int = 17) -> list[int]:
-    return [step for step in range(steps) if rule(step)]
+def ticks(schedule: Schedule, steps: int = 17, replicas: int = 1) -> list[Tick]:
+    """Replica 0's ticks of a run of `steps` steps on `schedule`, its replicas in step (no figures shared)."""
+    clock, out = Clock(schedule, steps, replicas, 0, True, 1, torch.device("cpu")), []
+    while not clock.finished:
+        out.append(clock.next())
+        clock.advance()
+    return out
 
 
-# -- schedules ---------------------------------------------------------------------
+def averager_schedule(averager: str, **keys) -> Schedule:
+    return {"periodic": ReplicaAverager, "diloco": DiLoCoAverager, "hierarchical": HierarchicalReplicaAverager}[
+        averager
+    ].schedule(OmegaConf.create(keys))
+
+
+# -- schedules: the clock's ticks on the averagers' fixed schedules ---------------------
 
 
 def test_warmup_steps_are_synchronous_and_replicas_diverge_after_the_first_local_step():
-    assert steps_where(lambda s: schedule.synchronous(s, 3)) == [0, 1, 2]
-    assert steps_where(lambda s: schedule.last_synchronous(s, 3)) == [2]
-    assert steps_where(lambda done: not schedule.diverged(done, 3)) == [0, 1, 2, 3]  # after 3 warmup steps: equal
-    assert steps_where(lambda s: schedule.synchronous(s, 0)) == []
-    assert steps_where(lambda s: schedule.last_synchronous(s, 0)) == []
-    assert steps_where(lambda done: not schedule.diverged(done, 0)) == [0]
+    for warmup in (3, 0):
+        schedule = averager_schedule("periodic", period=4, warmup_steps=warmup)
+        clock = Clock(schedule, 17, 1, 0, True, 1, torch.device("cpu"))
+        synchronous, ends, diverged = [], [], [clock.diverged]
+        while not clock.finished:
+            tick = clock.next()
+            synchronous.append(tick.synchronous)
+            ends.append(tick.ends_warmup)
+            clock.advance()
+            diverged.append(clock.diverged)
+        assert [s for s, sync in enumerate(synchronous) if sync] == list(range(warmup))
+        assert [s for s, end in enumerate(ends) if end] == ([warmup - 1] if warmup else [])
+        assert [done for done, d in enumerate(diverged) if not d] == list(range(warmup + 1))  # after W steps: equal
 
 
 @pytest.mark.parametrize(
@@ -76,16 +95,20 @@ def test_warmup_steps_are_synchronous_and_replicas_diverge_after_the_first_local
     ],
 )
 def test_periodic_averages_after_iteration_warmup_plus_k_periods(period, warmup, expected):
-    assert steps_where(lambda s: schedule.periodic_due(s, warmup, period)) == expected
+    """PyTorch's PeriodicModelAverager: after 0-based iteration `warmup + k·period`."""
+    schedule = averager_schedule("periodic", period=period, warmup_steps=warmup)
+    assert [t.local for t in ticks(schedule) if t.exchange is not None] == expected
+    assert [t.step for t in ticks(schedule)] == list(range(1, 18))  # replicas in step: one step a tick
 
 
 def test_hierarchical_averages_within_the_group_of_the_largest_dividing_period():
-    periods = {2: "pairs", 8: "all"}
-    due = {s: schedule.hierarchical_period(s, 3, periods) for s in range(17)}
-    assert {s: p for s, p in due.items() if p is not None} == {4: 2, 6: 2, 8: 8, 10: 2, 12: 2, 14: 2, 16: 8}
-    # without warmup step 0 averages all replicas (0 is divisible by every period), as torch's averager does
-    assert schedule.hierarchical_period(0, 0, periods) == 8
-    assert schedule.hierarchical_period(2, 0, periods) == 2
+    """PyTorch's HierarchicalModelAverager: past warmup, the largest period dividing the iteration."""
+    for warmup, expected in ((3, {4: 2, 6: 2, 8: 8, 10: 2, 12: 2, 14: 2, 16: 8}), (0, {0: 8, 2: 2, 4: 2, 6: 2, 8: 8})):
+        schedule = averager_schedule("hierarchical", period_group_size=[[2, 2], [8, 4]], warmup_steps=warmup)
+        met = {
+            t.local: 8 if t.exchange is not None else t.level and t.level.period for t in ticks(schedule, replicas=4)
+        }
+        assert {s: p for s, p in met.items() if p and s <= max(expected)} == expected
 
 
 @pytest.mark.parametrize(
@@ -100,7 +123,8 @@ def test_hierarchical_averages_within_the_group_of_the_largest_dividing_period()
 )
 def test_each_fragment_syncs_once_per_period_after_its_offset(fragments, period, warmup, expected):
     """Fragment f first syncs after (f + 1)·period/F local steps, then every period (torchft's schedule)."""
-    due = {s: schedule.fragment_due(s, warmup, period, fragments) for s in range(17)}
+    keys = {"period": period, "warmup_steps": warmup, "fragments": fragments, "sync_delay": 0}
+    due = {t.local: t.exchange for t in ticks(averager_schedule("diloco", **keys))}
     assert {s: f for s, f in due.items() if f is not None} == expected
 
 
@@ -108,26 +132,29 @@ def test_one_fragment_syncs_a_period_later_than_periodic_less_one_step():
     """periodic averages after local step 1, 1 + P, ...; DiLoCo after P, 2P, ...: with one
     more warmup step DiLoCo syncs where periodic does, but its first one (tests/test_diloco.py)."""
     for period, warmup in [(1, 0), (4, 2), (5, 7)]:
-        for s in range(40):
-            diloco = schedule.fragment_due(s, warmup + 1, period, 1) == 0
-            periodic = schedule.periodic_due(s, warmup, period) and s >= warmup + period
-            assert diloco == periodic, (period, warmup, s)
+        keys = {"period": period, "fragments": 1, "sync_delay": 0}
+        diloco = ticks(averager_schedule("diloco", warmup_steps=warmup + 1, **keys), 40)
+        periodic = ticks(averager_schedule("periodic", period=period, warmup_steps=warmup), 40)
+        synced = [t.local for t in diloco if t.exchange is not None]
+        assert synced == [t.local for t in periodic if t.exchange is not None and t.local >= warmup + period]
 
 
-def test_replica_averager_averages_on_its_schedule_and_reads_the_warmup_test(world_of_1):
+def test_replica_averager_averages_where_the_clock_says(world_of_1):
     mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
     traffic = CrossReplicaTraffic()
-    averager = ReplicaAverager(period=2, warmup_steps=3, mesh=mesh, traffic=traffic)
+    clock = Clock(averager_schedule("periodic", period=2, warmup_steps=3), 8, 1, 0, True, 1, torch.device("cpu"))
+    averager = ReplicaAverager(mesh=mesh, traffic=traffic, clock=clock)
     param = torch.ones(5)
-    averaged, synchronous, diverged = [], [], []
-    for _ in range(8):
-        synchronous.append(averager.synchronous)
+    averaged, synchronous = [], []
+    while not clock.finished:
+        synchronous.append(clock.next().synchronous)
+        averager.before_step()
         averager.average_parameters([param])
         averaged.append(traffic.step_metrics(averager.step)[metrics.AVERAGER_AVERAGED])
-        diverged.append(averager.diverged)
+        clock.advance()
     assert synchronous == [True] * 3 + [False] * 5
     assert averaged == [0, 0, 0, 1, 0, 1, 0, 1]  # after iterations 3, 5, 7
-    assert diverged == [False] * 3 + [True] * 5  # after 4 steps, one of them local
+    assert averager.step == 8
 
 
 # -- DiLoCo's fragments and sync ---------------------------------------------------

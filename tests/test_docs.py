@@ -420,7 +420,7 @@ def test_the_checkpoint_parts_tables_name_every_part_of_a_job():
 
     from harness.job import Job
 
-    parts = set(Job.checkpoint_parts(SimpleNamespace(data=0, cross_replica=0, lr_schedule=0)))
+    parts = set(Job.checkpoint_parts(SimpleNamespace(clock=0, data=0, cross_replica=0, lr_schedule=0)))
     design = (REPO / "docs" / "design.md").read_text(encoding="utf-8")
     table = design.split("## A checkpoint is a set of named stateful parts")[1].split("\n\n")[2]
     rows = [line.split("|")[1].strip() for line in table.splitlines()[2:]]

@@ -16,6 +16,7 @@ import torch.distributed.checkpoint.staging as staging
 from omegaconf import OmegaConf
 
 import harness.compat
+from harness.clock import SYNCHRONOUS, Clock
 from harness.compat import ReusableStager
 from harness.models import build_model
 from harness.nonfinite import MAX_UNREPORTED, NonFiniteGuard
@@ -77,16 +78,26 @@ def test_a_skipped_step_leaves_every_tensor_as_it_was_and_the_next_is_a_run_with
     skipped_step_against_a_run_without_it(name, fused, bad_step, bad, CPU)
 
 
-def test_the_device_flags_are_bounded_and_read_when_full(world_of_1):
-    """However rarely a run logs, the flags kept on the device hold at most MAX_UNREPORTED steps, and
-    the loop reads them (`due`) before they wrap."""
+def test_no_device_flag_is_overwritten_before_it_is_read(world_of_1):
+    """A replica may take more steps between two reports than `train.log_every` (a period of DiLoCo's 16
+    under balance=time, where only exchanges report): the flags grow instead of wrapping, so a NaN at any
+    of them is reported; and however rarely a run logs, a report falls at least every MAX_UNREPORTED
+    steps where the ranks meet (`due`)."""
     param = torch.nn.Parameter(torch.zeros(2))
     optimizer = torch.optim.AdamW([param], fused=True)
-    guard = NonFiniteGuard("skip", optimizer, CPU, log_every=10**9, steps_in_backward=False)
-    assert guard.flags.numel() == MAX_UNREPORTED
-    assert not guard.due(MAX_UNREPORTED - 1) and guard.due(MAX_UNREPORTED)
-    guard.report(MAX_UNREPORTED)
-    assert not guard.due(2 * MAX_UNREPORTED - 1) and guard.due(2 * MAX_UNREPORTED)
+    guard = NonFiniteGuard("skip", optimizer, CPU, log_every=4, steps_in_backward=False, replica_ranks=None)
+    assert guard.flags.numel() == 4
+    clock = Clock(SYNCHRONOUS, 3 * MAX_UNREPORTED, 1, 0, True, 1, CPU)
+    for step in range(1, 11):
+        tick = clock.next()
+        guard.check(tick, torch.tensor(1.0), torch.tensor(math.nan if step == 3 else 1.0))
+        clock.advance()
+    assert guard.flags.numel() >= 10 and guard.report(tick) == {"train/skipped_nonfinite": 1}
+    for _ in range(MAX_UNREPORTED - 1):
+        tick = clock.next()
+        clock.advance()
+    assert not guard.due(tick)
+    assert guard.due(clock.next())
 
 
 def test_flops_per_token_counts_every_weight_outside_the_embeddings_and_attention():

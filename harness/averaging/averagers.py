@@ -1,38 +1,41 @@
 """Post-local SGD's averagers (arXiv 1808.07217): after the local optimizer
-step, the *parameters* are averaged across replicas on a schedule; inside a
-replica the ranks hold different shards, so nothing is averaged along `shard`.
+step, the *parameters* are averaged across replicas where the run's clock
+says; inside a replica the ranks hold different shards, so nothing is
+averaged along `shard`.
 
-Both are driven by PyTorch's `PostLocalSGDOptimizer`. Their `step` and
-`warmup_steps` are the one clock the gradient hook, the schedule and a
-checkpoint read (`synchronous`, `diverged`).
+Both are driven by PyTorch's `PostLocalSGDOptimizer`. Each says when it
+exchanges as a `Schedule` of its config's keys (`schedule`), which the run's
+`Clock` plans from; at each step it reads the clock's tick and does what the
+tick says (an exchange of all replicas, a hierarchy's group meeting).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
+from omegaconf import DictConfig
 from torch.distributed.algorithms.model_averaging.averagers import ModelAverager
 from torch.distributed.device_mesh import DeviceMesh
 
 from harness import metrics
-from harness.averaging import config_rules, schedule
+from harness.averaging import config_rules
 from harness.averaging.collectives import average_local_shards, replica_subgroups
 from harness.averaging.link import MeshLink, ReplicaLink
-from harness.averaging.pace import Pace, level_meeting, mean_weight
 from harness.averaging.traffic import CrossReplicaTraffic
+from harness.clock import Clock, Schedule
+
+# the averager keys its class reads into its `Schedule` for the clock, not into its constructor
+SCHEDULE_KEYS = ("warmup_steps", "period", "sync_delay", "balance", "period_schedule", "min_period")
 
 
-@dataclass(frozen=True)
-class RunLength:
-    """What a `Pace` needs of the run besides the averager's keys."""
-
-    steps: int  # train.steps
-    samples_per_step: int  # one replica's samples per local step (batch × grad_accum × its ranks)
-    replicas: int  # of the whole run (fault tolerance: the replica groups)
-    replica: int  # this rank's
+def pace_keys(cfg: DictConfig) -> dict:
+    """The keys every averager's schedule takes from `averager.balance`, `period_schedule`, `min_period`."""
+    return {
+        "balance": str(cfg.get("balance", "steps")),
+        "period_schedule": str(cfg.get("period_schedule", "fixed")),
+        "min_period": cfg.get("min_period", 1),
+    }
 
 
 class ReplicaAverager(ModelAverager):
@@ -49,160 +52,114 @@ class ReplicaAverager(ModelAverager):
     """
 
     config_errors = staticmethod(config_rules.periodic_errors)
-    fragment_count = 1  # syncs per period, each an exchange of a `Pace` (Streaming DiLoCo's fragments)
 
     def __init__(
         self,
-        period: int,
-        warmup_steps: int,
         mesh: DeviceMesh,
         traffic: CrossReplicaTraffic,
+        clock: Clock,
         comm_dtype: str = "float32",
         link: ReplicaLink | None = None,
-        balance: str = "steps",
-        period_schedule: str = "fixed",
-        min_period: int = 1,
-        run: RunLength | None = None,
     ):
-        super().__init__(mesh.get_group("replicate"))
-        self.period, self.warmup_steps, self.traffic = period, warmup_steps, traffic
+        # not ModelAverager's __init__: its `step` counter is the clock's (`step` below)
+        self.process_group, self.traffic, self.clock = mesh.get_group("replicate"), traffic, clock
         self.comm_dtype = getattr(torch, str(comm_dtype))
         # what crosses replicas: the mesh's replicate group, or torchft's Manager under fault tolerance
         self.link = link or MeshLink(self.process_group)
-        # this step's exchange, to redo, when it did not commit (fault tolerance: a replica was lost in it)
-        self.uncommitted: Callable[[], None] | None = None
-        # local steps that differ between replicas or periods; None: `period` steps each (periodic_due)
-        self.pace = None
-        if str(balance) != "steps" or str(period_schedule) != "fixed":
-            self.pace = Pace(
-                period,
-                warmup_steps,
-                run.steps,
-                balance,
-                period_schedule,
-                min_period,
-                run.replicas,
-                run.replica,
-                mesh["shard"].get_local_rank() == 0,
-                run.samples_per_step,
-                torch.device(mesh.device_type),
-                first_local_steps=self.first_local_steps(),
-                link=self.link,
-                fragments=self.fragment_count,
-            )
+        # this step's exchange did not commit (fault tolerance: a replica was lost in it); the parameters
+        # are as they were, so it can be redone (`redo_exchange`)
+        self.uncommitted = False
 
-    def first_local_steps(self) -> int:
-        """The local steps before the first exchange: post-local SGD averages after the first (periodic_due)."""
-        return 1
+    @classmethod
+    def schedule(cls, cfg: DictConfig) -> Schedule:
+        """When it exchanges: after the first local step past warmup, then every `period` (PyTorch's
+        `PeriodicModelAverager`)."""
+        return Schedule(warmup=cfg.warmup_steps, period=cfg.period, first=1, **pace_keys(cfg))
 
     @property
-    def synchronous(self) -> bool:
-        """The step being taken is a warmup step: gradients cross replicas, parameters are not averaged."""
-        return schedule.synchronous(self.step, self.warmup_steps)
-
-    @property
-    def diverged(self) -> bool:
-        """A step so far was local: replicas may hold different parameters and optimizer states."""
-        return schedule.diverged(self.step, self.warmup_steps)
+    def step(self) -> int:
+        """The local steps this replica took (PostLocalSGDOptimizer's checkpoint reads it)."""
+        return self.clock.local
 
     @property
     def checkpoint_part(self):
-        """What a checkpoint keeps of this averager besides its step (DiLoCo's outer state); None here."""
+        """What a checkpoint keeps of this averager (DiLoCo's outer state); None here."""
         return None
 
-    def crosses_replicas(self) -> bool:
-        """The step being taken exchanges anything across replicas (its gradients, or a sync after it)."""
-        return self.synchronous or self.group_to_average() is not None
-
-    def group_to_average(self) -> ReplicaLink | None:
-        if self.pace is not None:
-            return self.link if self.pace.due(self.step) else None
-        return self.link if schedule.periodic_due(self.step, self.warmup_steps, self.period) else None
+    def before_step(self) -> None:
+        """Before the local step's forward (DiLoCo applies a delayed sync there)."""
+        self.uncommitted = False
 
     def average_parameters(self, params) -> None:
-        self.uncommitted = None
-        group = self.group_to_average()
-        if group is not None:
-            scale = self.pace.weights(self.pace.exchange(self.step)) if self.pace is not None else None
-            self._average(params, group, scale)
-            if self.pace is not None:
-                self.pace.after_exchange(self.traffic, committed=self.uncommitted is None)
-        self.step += 1
+        tick = self.clock.tick
+        if tick.exchange is not None:
+            self._average(params, self.link, self.clock.exchange().scale)
+            self.clock.exchanged(committed=not self.uncommitted)
+            if not self.uncommitted:
+                self.clock.applied(tick.exchange)
+                self.report_plan()
+
+    def report_plan(self) -> None:
+        """The exchange's plan figures (when periods may change) join its row."""
+        if row := self.clock.take_row():
+            self.traffic.averaged = {**(self.traffic.averaged or {}), **row}
 
     def _average(self, params, group: ReplicaLink, scale: float | None = None) -> None:
         time_s, nbytes, drift = average_local_shards(params, group, self.comm_dtype, scale)
         self.traffic.add_averaging(nbytes)
         if drift is None:  # a fault-tolerant sync that did not commit: nothing was averaged
-            self.uncommitted = lambda: self._average(params, group, scale)
+            self.uncommitted = True
+            self._params = params
         else:
             self.traffic.averaged = {metrics.AVERAGER_DRIFT: drift, metrics.AVERAGER_TIME: time_s}
 
-    def redo_uncommitted(self) -> None:
-        """Redo this step's exchange that did not commit, over the link's quorum as it is now (fault
-        tolerance, at the run's last step: no later sync would take its window in)."""
-        redo, self.uncommitted = self.uncommitted, None
-        redo()
+    def redo_exchange(self) -> None:
+        """Redo this step's exchange that did not commit, over the link's quorum as it is now, weighed
+        over the replicas in it (fault tolerance, at the run's last step: no later sync would take its
+        window in)."""
+        self.uncommitted = False
+        fragment = self.clock.tick.exchange
+        self._average(self._params, self.link, self.clock.reweigh(fragment))
+        if not self.uncommitted:
+            self.clock.applied(fragment)
 
 
 class HierarchicalReplicaAverager(ReplicaAverager):
     """`HierarchicalModelAverager`'s schedule: at a step past warmup, the largest
     period dividing the step picks the group size to average within.
 
-    With `averager.balance=time` the Pace plans the largest period (all replicas) as
-    post-local SGD's, and the smaller levels meet within it where `level_meeting`
-    puts them: each group at points of the plan, at its members' own local steps."""
+    The largest period (all replicas) is the clock's exchange; with `averager.balance=time`
+    the smaller levels meet within it where the clock puts them: each group at points of
+    the plan, at its members' own local steps (`rules.level_meeting`)."""
 
     config_errors = staticmethod(config_rules.hierarchical_errors)
 
     def __init__(
         self,
         period_group_size: list[list[int]],
-        warmup_steps: int,
         mesh: DeviceMesh,
         traffic: CrossReplicaTraffic,
+        clock: Clock,
         comm_dtype: str = "float32",
-        balance: str = "steps",
-        period_schedule: str = "fixed",  # adacomm: refused (config_rules), there is no one period to adapt
-        min_period: int = 1,
-        run: RunLength | None = None,
     ):
-        period = max(p for p, _ in period_group_size)
-        pace = {"balance": balance, "period_schedule": period_schedule, "min_period": min_period, "run": run}
-        super().__init__(period, warmup_steps, mesh, traffic, comm_dtype, **pace)
-        self.sizes = {int(p): int(g) for p, g in period_group_size}
+        super().__init__(mesh, traffic, clock, comm_dtype)
+        sizes = {int(p): int(g) for p, g in period_group_size}
         shards = mesh.get_group("shard")
-        self.period_groups = {p: MeshLink(replica_subgroups(mesh, g), shards) for p, g in self.sizes.items()}
+        self.period_groups = {p: MeshLink(replica_subgroups(mesh, g), shards) for p, g in sizes.items()}
 
-    def first_local_steps(self) -> int:
-        """The local steps to the first average of all replicas: after the first step past warmup that the
-        largest period divides."""
-        return -(-self.warmup_steps // self.period) * self.period - self.warmup_steps + 1
-
-    def group_to_average(self) -> ReplicaLink | None:
-        if self.pace is not None:  # all replicas, at the Pace's exchanges
-            return super().group_to_average()
-        period = schedule.hierarchical_period(self.step, self.warmup_steps, self.period_groups)
-        return None if period is None else self.period_groups[period]
+    @classmethod
+    def schedule(cls, cfg: DictConfig) -> Schedule:
+        """All replicas average after the first local step past warmup that the largest period divides,
+        then every largest period; the levels below it meet where theirs divides the step."""
+        levels = tuple((int(p), int(g)) for p, g in cfg.period_group_size)
+        period = max(p for p, _ in levels)
+        first = -(-cfg.warmup_steps // period) * period - cfg.warmup_steps + 1
+        return Schedule(warmup=cfg.warmup_steps, period=period, first=first, levels=levels, **pace_keys(cfg))
 
     def average_parameters(self, params) -> None:
-        if self.pace is not None and (meeting := self.inner_meeting()) is not None:
-            period, scale = meeting
+        level = self.clock.tick.level
+        if level is not None:
             start = time.perf_counter()
-            self._average(params, self.period_groups[period], scale)  # ends synchronized with the device
-            self.pace.met(time.perf_counter() - start)
+            self._average(params, self.period_groups[level.period], level.scale)  # ends synchronized with the device
+            self.clock.waited(time.perf_counter() - start)
         super().average_parameters(params)
-
-    def inner_meeting(self) -> tuple[int, float | None] | None:
-        """The level below all replicas whose group meets after this step, and this replica's scale for
-        its weighted mean (`mean_weight`), or None."""
-        pace = self.pace
-        if pace.syncs == 0:  # before the first exchange every replica takes the same steps: the fixed rule
-            period = schedule.hierarchical_period(self.step, self.warmup_steps, self.sizes)
-            return (period, None) if period is not None and period < self.period else None
-        cut = pace.local_steps if pace.last else None
-        taken = self.step - pace.first_step + 1
-        meeting = level_meeting(taken, pace.planned(), cut, pace.replica, self.sizes, self.period)
-        if meeting is None:
-            return None
-        period, trained = meeting
-        return period, mean_weight(trained, trained[pace.replica % self.sizes[period]])

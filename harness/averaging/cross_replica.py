@@ -1,6 +1,6 @@
 """Wiring what crosses replicas (gradient hooks, the averager inside
 `PostLocalSGDOptimizer`) and the `cross_replica` checkpoint part: the
-averager's step, the cumulative byte count and the averager's own state."""
+cumulative byte count and the averager's own state."""
 
 from __future__ import annotations
 
@@ -8,18 +8,23 @@ import inspect
 from dataclasses import dataclass
 
 import torch
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig
-from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.optim import PostLocalSGDOptimizer
 
-from harness.averaging.averagers import ReplicaAverager, RunLength
+from harness.averaging.averagers import ReplicaAverager
 from harness.averaging.gradient_reduction import GradientReduction
 from harness.averaging.hooks import count_synchronous_gradients, reduce_over_replicas, sync_gradients_during_warmup
 from harness.averaging.link import ReplicaLink
-from harness.averaging.pace import Pace
 from harness.averaging.traffic import CrossReplicaTraffic
+from harness.clock import SYNCHRONOUS, Clock, Schedule
+
+
+def averaging_schedule(cfg: DictConfig, averaging: bool) -> Schedule:
+    """When replicas exchange, for the run's clock: the averager's own reading of `cfg` (= cfg.averager),
+    or with no averager (`averaging` false: `RunPlan.averaging`) a gradient exchange at every step."""
+    return get_class(cfg._target_).schedule(cfg) if averaging else SYNCHRONOUS
 
 
 def setup_cross_replica(
@@ -27,16 +32,15 @@ def setup_cross_replica(
     optimizer: torch.optim.Optimizer,
     mesh: DeviceMesh,
     cfg: DictConfig,
+    clock: Clock,
     averaging: bool,
     link: ReplicaLink | None = None,
     reduction: GradientReduction | None = None,
-    run: RunLength | None = None,
 ) -> tuple[torch.optim.Optimizer, CrossReplica | None]:
-    """Wire gradient sync and parameter averaging across replicas for `cfg` (= cfg.averager);
-    `averaging`: the run's plan has an averager (`RunPlan.averaging`), else it is synchronous;
-    `link`: the replicas' link when they are not on this mesh (fault tolerance);
-    `reduction`: a replica of one device's gradient reduction, else the model's own (FSDP2, DDP);
-    `run`: the run's length and batch, for an averager whose local steps vary (`Pace`).
+    """Wire gradient sync and parameter averaging across replicas for `cfg` (= cfg.averager), at the
+    steps `clock` says; `averaging`: the run's plan has an averager (`RunPlan.averaging`), else it is
+    synchronous; `link`: the replicas' link when they are not on this mesh (fault tolerance);
+    `reduction`: a replica of one device's gradient reduction, else the model's own (FSDP2, DDP).
 
     Returns the optimizer to step (PostLocalSGDOptimizer when averaging) and
     the object that reports this step's cross-replica figures, or None when
@@ -54,21 +58,21 @@ def setup_cross_replica(
     # partial first: instantiate would merge (and copy) keyword objects into the config;
     # not recursive: nested configs (DiLoCo's outer optimizer) are the averager's to build
     build = instantiate(cfg, _partial_=True, _recursive_=False)
-    wants_model = "model" in inspect.signature(build.func).parameters  # DiLoCo: its own copy of the parameters
-    # the link only under fault tolerance: an averager of one world needs no `link` argument
-    extra = {**({"model": model} if wants_model else {}), **({"link": link} if link is not None else {})}
-    averager = build(mesh=mesh, traffic=traffic, run=run, **extra)
-    ddp_state = sync_gradients_during_warmup(model, mesh, averager, traffic, reduction)
+    takes = inspect.signature(build.func).parameters
+    # the schedule's keys are the clock's (`averaging_schedule`); DiLoCo takes the model (its own copy of the
+    # parameters); the link only under fault tolerance: an averager of one world needs no `link` argument
+    own = {key: value for key, value in build.keywords.items() if key in takes}
+    extra = {**({"model": model} if "model" in takes else {}), **({"link": link} if link is not None else {})}
+    averager = build.func(**own, mesh=mesh, traffic=traffic, clock=clock, **extra)
+    sync_gradients_during_warmup(model, mesh, averager, traffic, reduction)
     optimizer = PostLocalSGDOptimizer(optim=optimizer, averager=averager)
-    return optimizer, CrossReplica(traffic, averager, ddp_state, link)
+    return optimizer, CrossReplica(traffic, averager, link)
 
 
 def step_without_update(optimizer: torch.optim.Optimizer) -> None:
     """A step whose local update is skipped (its loss or gradients were not finite, checked on the host; or,
     under fault tolerance, its gradient exchange did not commit) still counts, as a step a fused optimizer
-    skips on the device does (its `found_inf`): the averager's schedule goes on, an averaging due at this step
-    included. One clock for every path: a replica that skips a step alone still meets its peers at every
-    exchange, and the averager's step stays the one DDP's comm hook and the learning-rate schedule count."""
+    skips on the device does (its `found_inf`): what the clock says falls after it (an exchange) happens."""
     if isinstance(optimizer, PostLocalSGDOptimizer):
         optimizer.averager.average_parameters(params=optimizer.param_groups)
 
@@ -82,22 +86,12 @@ def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 class CrossReplica:
     traffic: CrossReplicaTraffic
     averager: ReplicaAverager | None
-    ddp_state: PostLocalSGDState | None = None  # the DDP hook's own iteration counter
     link: ReplicaLink | None = None  # the replica groups' link (fault tolerance); None: the replicas are this mesh's
 
-    @property
-    def synchronous(self) -> bool:
-        """The step being taken exchanges gradients across replicas (no averager, or its warmup)."""
-        return self.averager is None or self.averager.synchronous
-
-    def crosses_replicas(self) -> bool:
-        """The step being taken exchanges anything across replicas (its gradients, or a sync after it)."""
-        return self.averager is None or self.averager.crosses_replicas()
-
-    @property
-    def pace(self) -> Pace | None:
-        """The averager's plan of local steps, when they vary (`averager.balance`, `averager.period_schedule`)."""
-        return self.averager.pace if self.averager is not None else None
+    def before_step(self) -> None:
+        """Before a step's forward: what the averager does there (DiLoCo: a delayed sync due)."""
+        if self.averager is not None:
+            self.averager.before_step()
 
     @property
     def averaged_this_step(self) -> bool:
@@ -119,10 +113,8 @@ class CrossReplica:
     def state_dict(self) -> dict:
         part, link = self._averager_part, self.link
         return {
-            "averager_step": self.averager.step if self.averager is not None else None,
             "cross_replica_bytes_total": self.traffic.total_bytes,
             **({"averager": part.state_dict()} if part is not None else {}),
-            **({"pace": self.pace.state_dict(self.averager.step)} if self.pace is not None else {}),
             # torchft's Manager: its step counts committed exchanges, which decides who heals whom
             **({"replica_link": link.state_dict()} if hasattr(link, "state_dict") else {}),
         }
@@ -138,18 +130,9 @@ class CrossReplica:
             part.load_tensor_state_dict(state)
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore the counters; the checkpoint's global `step` stands in for an
-        averager step it does not have (saved without an averager)."""
         self.traffic.total_bytes = state.get("cross_replica_bytes_total", 0)
-        if self.averager is not None:
-            self.averager.step = state.get("averager_step") or state["step"]
-            if self.ddp_state is not None:
-                self.ddp_state.iter = self.averager.step
-            part = self._averager_part
-            if part is not None:
-                part.load_state_dict(state.get("averager", {}))
-            if self.pace is not None:  # a checkpoint of `period` steps each has none: its plan follows from its step
-                plan = state.get("pace") or self.pace.plan_at(self.averager.step)
-                self.pace.load_state_dict(plan, self.averager.step)
+        part = self._averager_part
+        if part is not None:
+            part.load_state_dict(state.get("averager", {}))
         if hasattr(self.link, "load_state_dict") and "replica_link" in state:
             self.link.load_state_dict(state["replica_link"])

@@ -16,7 +16,7 @@ local step as torch's `PeriodicModelAverager` (`averager=periodic`) does. With
 final norm and head count as units too), balanced by size; a sync falls every
 P/F local steps, the fragments in turn, so fragment f first syncs after
 (f+1)·P/F local steps and then every P, and a sync step sends about 1/F of the
-model (`schedule.fragment_due`).
+model (`DiLoCoAverager.schedule`, which the run's clock plans from).
 
 `θ_outer` starts as the parameters at the end of warmup (the initial ones when
 there is none). The outer optimizer steps plain tensors (the local shards), so
@@ -39,11 +39,12 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from harness import metrics
-from harness.averaging import config_rules, schedule
-from harness.averaging.averagers import ReplicaAverager, RunLength
+from harness.averaging import config_rules
+from harness.averaging.averagers import ReplicaAverager, pace_keys
 from harness.averaging.collectives import MeanInFlight, buckets, mean_over_group, start_mean_over_group
 from harness.averaging.link import ReplicaLink
 from harness.averaging.traffic import CrossReplicaTraffic
+from harness.clock import Clock, Exchange, Schedule
 from harness.dist import local_view, synchronize
 from harness.optim import build_optimizer
 
@@ -51,79 +52,63 @@ log = logging.getLogger(__name__)
 
 
 class DiLoCoAverager(ReplicaAverager):
-    """Decides when (the schedule), runs a fragment's sync (`outer_step`), and
-    reports it; the outer state it keeps is its checkpoint part."""
+    """Runs a fragment's sync where the clock says (`outer_step`), and reports it;
+    the outer state it keeps is its checkpoint part."""
 
     config_errors = staticmethod(config_rules.diloco_errors)
 
     def __init__(
         self,
-        period: int,
-        warmup_steps: int,
         mesh: DeviceMesh,
         traffic: CrossReplicaTraffic,
+        clock: Clock,
         model: torch.nn.Module,
         outer_optimizer: DictConfig,
         comm_dtype: str = "float32",
         fragments: int = 1,
         outer_device: str = "device",
-        sync_delay: int = 0,
         mix: float = 0.0,
         link: ReplicaLink | None = None,
-        balance: str = "steps",
-        period_schedule: str = "fixed",
-        min_period: int = 1,
-        run: RunLength | None = None,
     ):
-        pace = {"balance": balance, "period_schedule": period_schedule, "min_period": min_period, "run": run}
-        self.fragment_count = fragments  # before the base class builds a Pace: each fragment's sync is an exchange
-        super().__init__(period, warmup_steps, mesh, traffic, comm_dtype, link, **pace)
+        super().__init__(mesh, traffic, clock, comm_dtype, link)
         module = model.module if isinstance(model, DistributedDataParallel) else model
         self.outer = OuterState(module, outer_optimizer, outer_device, fragments, self.link)
-        self.sync_delay, self.mix = sync_delay, mix
-        # with a Pace, a delayed sync is applied at each replica's own step: its fragment, time and metric
-        # sums wait for the next exchange, where every rank meets, to be summed and reported
+        self.mix, self.delayed = mix, clock.schedule.sync_delay > 0
+        # when periods may change, a delayed sync is applied at each replica's own step: its fragment, time and
+        # metric sums wait for the next exchange, where every rank meets, to be summed and reported
         self.unreported: tuple[int, float, torch.Tensor] | None = None
+        self.failed_sync: SyncInFlight | None = None  # this step's sync that did not commit, to redo
+
+    @classmethod
+    def schedule(cls, cfg: DictConfig) -> Schedule:
+        """A sync every period/fragments local steps, the fragments in turn, the first after a whole stride
+        (the paper's Algorithm 1, torchft's `DiLoCo`), each applied `sync_delay` local steps after it starts."""
+        return Schedule(
+            warmup=cfg.warmup_steps,
+            period=cfg.period,
+            first=cfg.period // cfg.fragments,
+            fragments=cfg.fragments,
+            sync_delay=cfg.sync_delay,
+            **pace_keys(cfg),
+        )
 
     @property
     def checkpoint_part(self) -> OuterState:
         return self.outer
 
-    def crosses_replicas(self) -> bool:
-        """A warmup step, or a step after which a fragment's sync starts (its quorum opens before the step)."""
-        return self.synchronous or self.fragment_due() is not None
+    def before_step(self) -> None:
+        """A sync in flight whose delay is 0 (a replica planned fewer steps than `sync_delay` applies before
+        its next step: it loses none of them, and at the exchange, where saves fall, every replica holds
+        the sync just started) or was cut short (a resume that changed the delay) is applied before the
+        step's forward."""
+        super().before_step()
+        if self.clock.tick.apply_before and self.outer.in_flight is not None:
+            self.apply_delayed()
 
-    def first_local_steps(self) -> int:
-        """DiLoCo's first sync follows a whole stride of local steps, period/fragments (fragment_due)."""
-        return self.period // self.fragment_count
-
-    def delay(self) -> int:
-        """This replica's local steps from a sync's start to its apply: `sync_delay`; with a Pace, the same
-        share of its planned stride as `sync_delay` is of the fastest's (rounded down, before its next
-        exchange), so every replica applies after about the same wall time. At least 1 in one world, so
-        that at an exchange (where saves fall) every replica holds the sync just started in flight, as
-        rank 0's checkpoint part says: a replica of one step per stride applies it at the next exchange,
-        first. Under fault tolerance each group saves its own part, and an apply (its commit) at the next
-        exchange would fall after that exchange's quorum, which counts commits to choose whom to heal:
-        there a replica of one step per stride applies at once."""
-        if self.pace is None or self.sync_delay == 0:
-            return self.sync_delay
-        planned = self.pace.planned()[self.pace.replica]
-        share = min(planned - 1, self.sync_delay * planned // self.pace.period)
-        return share if self.link.needs_commit else max(1, share)
-
-    def apply_step(self, sync: SyncInFlight) -> int:
-        """The averager step after which `sync` is applied: as started; with a Pace, this replica's own
-        (a checkpoint holds rank 0's): `delay()` after the exchange that began the period under way."""
-        if self.pace is None:
-            return sync.apply_step
-        return self.pace.first_step - 1 + self.delay()
-
-    def fragment_due(self) -> int | None:
-        """The fragment whose sync falls on this step, if any."""
-        if self.pace is not None:
-            return self.pace.fragment() if self.pace.due(self.step) else None
-        return schedule.fragment_due(self.step, self.warmup_steps, self.period, len(self.outer.fragments))
+    def apply_delayed(self) -> None:
+        fragment = self.outer.in_flight.fragment
+        if self.finish_sync():
+            self.clock.applied(fragment, delayed=True)
 
     def average_parameters(self, params) -> None:
         """After the local step (`params` are the model's own, which the outer
@@ -131,68 +116,68 @@ class DiLoCoAverager(ReplicaAverager):
         sync whose delay ends here (or, halfway through the delay, start its
         second collective), start the one that falls here (applied at once
         without `sync_delay`)."""
-        self.uncommitted = None
-        in_flight = self.outer.in_flight
-        if in_flight is not None and self.apply_step(in_flight) == self.step:
-            self.finish_sync()
-        elif in_flight is not None and self.apply_step(in_flight) - self.delay() // 2 == self.step:
+        tick, in_flight = self.clock.tick, self.outer.in_flight
+        if tick.apply_after and in_flight is not None:
+            self.apply_delayed()
+        elif tick.advance and in_flight is not None:
             start = time.perf_counter()
             in_flight.advance()  # halfway: a narrow dtype's all-gather goes under the rest of the window
             in_flight.blocked_s += time.perf_counter() - start
-        fragment = self.fragment_due()
-        if fragment is not None:
-            scale = self.pace.weights(self.exchange()) if self.pace is not None else None
-            self.start_sync(fragment, scale)
-            if self.delay() == 0:
-                self.finish_sync()
-            if self.pace is not None:
-                self.pace.after_exchange(self.traffic, committed=self.uncommitted is None)
-        elif schedule.last_synchronous(self.step, self.warmup_steps):  # local training starts after this step
+        if tick.exchange is not None:
+            self.start_sync(tick.exchange, self.exchange().scale)
+            committed = self.delayed or self.finish_sync()
+            self.clock.exchanged(committed)
+            if committed and not self.delayed:
+                self.clock.applied(tick.exchange)
+            if committed:
+                self.report_plan()
+        elif tick.ends_warmup:  # local training starts after this step
             self.outer.set_from_params(range(len(self.outer.params)))
-        self.step += 1
 
-    def exchange(self) -> list[int]:
-        """The Pace's exchange at this step; a delayed sync applied since the last one is summed over
-        every rank on it and reported on this step's row. Returns the Pace's `completed`."""
+    def exchange(self) -> Exchange:
+        """The clock's exchange at this step; a delayed sync applied since the last one is summed over
+        every rank on it and reported on this step's row."""
         carried = None
-        if self.sync_delay > 0:  # every rank sends the slots, so that all send the same figures
-            # the sums are the outer step's, on this stream: `Pace.exchange` synchronizes before it reads them
+        if self.delayed and self.clock.plans:  # every rank sends the slots, so that all send the same figures
+            # the sums are the outer step's, on this stream: the clock synchronizes before it reads them
             carried = self.unreported[2] if self.unreported is not None else torch.zeros(3, dtype=torch.float64)
-        completed = self.pace.exchange(self.step, carried)
+        exchange = self.clock.exchange(carried)
         if self.unreported is not None:
             fragment, time_s, _ = self.unreported
-            self.report(fragment, time_s, self.pace.carried)
+            self.report(fragment, time_s, exchange.carried)
             self.unreported = None
-        return completed
+        return exchange
 
     def start_sync(self, fragment: int, scale: float | None = None) -> None:
         """Form the fragment's pseudo-gradients and start averaging them across replicas, each
-        scaled by `scale` first when given (a weighted mean: `Pace.weights`); their bytes count on
+        scaled by `scale` first when given (a weighted mean: `Clock.exchange`); their bytes count on
         the next logged row."""
         start = time.perf_counter()
-        self.outer.start_sync(fragment, self.step + self.delay(), self.link, self.comm_dtype, scale)
+        self.outer.start_sync(fragment, self.link, self.comm_dtype, scale)
         self.outer.in_flight.blocked_s = time.perf_counter() - start
         self.traffic.add_averaging(sum(c.nbytes for c in self.outer.in_flight.collectives))
 
-    def finish_sync(self, sync: SyncInFlight | None = None) -> None:
+    def finish_sync(self, sync: SyncInFlight | None = None) -> bool:
         """Wait for the fragment's mean pseudo-gradient (of the sync in flight, or `sync`), take
-        the outer step, set the fragment's parameters, and report the sync on this step's row."""
+        the outer step, set the fragment's parameters, and report the sync on this step's row.
+        False when it did not commit (fault tolerance): dropped, θ_outer unchanged."""
         if sync is None:
             sync, self.outer.in_flight = self.outer.in_flight, None
         device = self.outer.tensors[0].device
         synchronize(device)
         start = time.perf_counter()
         sums = self.outer.finish_sync(sync, self.mix)
-        if sums is None:  # a fault-tolerant sync that did not commit: dropped, θ_outer unchanged
-            self.uncommitted = lambda: self._redo(sync)
-            return
+        if sums is None:
+            self.uncommitted, self.failed_sync = True, sync
+            return False
         synchronize(device)
-        if self.pace is not None and self.sync_delay > 0:  # at this replica's own step: see `unreported`
+        if self.clock.plans and self.delayed:  # at this replica's own step: see `unreported`
             self.unreported = (sync.fragment, sync.blocked_s + time.perf_counter() - start, sums)
-            return
+            return True
         dist.all_reduce(sums)  # over every rank: replicas repeat the mean, so divide those sums by the replica count
         self.link.sum_over_replicas(sums)
         self.report(sync.fragment, sync.blocked_s + time.perf_counter() - start, sums)
+        return True
 
     def report(self, fragment: int, time_s: float, sums: torch.Tensor) -> None:
         """A sync's row: its fragment, the time it held training up, and its metric sums over every rank."""
@@ -206,11 +191,14 @@ class DiLoCoAverager(ReplicaAverager):
         if sums[0] >= 0:  # negative: the pseudo-gradients of a resumed window are gone, so is the drift
             self.traffic.averaged[metrics.AVERAGER_DRIFT] = (sums[0] / sums[1].clamp_min(1e-30)).sqrt().item()
 
-    def _redo(self, sync: SyncInFlight) -> None:
-        """`sync`, which did not commit, started again over the link's quorum as it is now and finished."""
-        again = self.outer.restart_sync(sync, self.link, self.comm_dtype)
+    def redo_exchange(self) -> None:
+        """This step's sync, which did not commit, started again over the link's quorum as it is now,
+        weighed over the replicas in it, and finished."""
+        sync, self.failed_sync, self.uncommitted = self.failed_sync, None, False
+        again = self.outer.restart_sync(sync, self.link, self.comm_dtype, self.clock.reweigh(sync.fragment))
         self.traffic.add_averaging(sum(c.nbytes for c in again.collectives))
-        self.finish_sync(again)
+        if self.finish_sync(again):
+            self.clock.applied(sync.fragment, delayed=self.delayed)
 
     def wait(self) -> None:
         """Complete a sync's collectives still in flight (before the process group goes)."""
@@ -226,7 +214,6 @@ class SyncInFlight:
     complete once `wait()` has returned)."""
 
     fragment: int
-    apply_step: int  # the averager step after whose local step the outer step is applied
     indices: list[int]  # the fragment's parameters
     deltas: list[torch.Tensor] | None  # None after a resume: only the mean was saved
     means: list[torch.Tensor]
@@ -361,14 +348,14 @@ class OuterState:
         self.in_flight: SyncInFlight | None = None
 
     def start_sync(
-        self, fragment: int, apply_step: int, group: ReplicaLink, comm_dtype: torch.dtype, scale: float | None = None
+        self, fragment: int, group: ReplicaLink, comm_dtype: torch.dtype, scale: float | None = None
     ) -> None:
         indices = self.fragments[fragment]
         local = [local_view(self.params[i]) for i in indices]
         deltas, means, collectives = start_pseudo_gradient_mean(
             local, [self.tensors[i] for i in indices], group, comm_dtype, scale
         )
-        self.in_flight = SyncInFlight(fragment, apply_step, indices, deltas, means, collectives)
+        self.in_flight = SyncInFlight(fragment, indices, deltas, means, collectives)
 
     def finish_sync(self, sync: SyncInFlight, mix: float) -> torch.Tensor | None:
         """Apply `sync`; returns the metric sums (`apply_outer_step`), or None when the
@@ -380,13 +367,16 @@ class OuterState:
         outer = [self.tensors[i] for i in sync.indices]
         return apply_outer_step(local, outer, self.optimizer, sync.deltas, sync.means, mix)
 
-    def restart_sync(self, sync: SyncInFlight, group: ReplicaLink, comm_dtype: torch.dtype) -> SyncInFlight:
+    def restart_sync(
+        self, sync: SyncInFlight, group: ReplicaLink, comm_dtype: torch.dtype, scale: float | None
+    ) -> SyncInFlight:
         """`sync`, whose exchange did not commit, started again over `group`: the same pseudo-gradients
-        averaged anew (a resumed sync's mean was saved complete, and needs no collective)."""
+        averaged anew, each scaled by `scale` (a resumed sync's mean was saved complete, and needs no
+        collective)."""
         if sync.deltas is None:
             return sync
-        means, collectives = start_means(sync.deltas, group, comm_dtype)
-        return SyncInFlight(sync.fragment, sync.apply_step, sync.indices, sync.deltas, means, collectives)
+        means, collectives = start_means(sync.deltas, group, comm_dtype, scale)
+        return SyncInFlight(sync.fragment, sync.indices, sync.deltas, means, collectives)
 
     @torch.no_grad()
     def set_from_params(self, indices) -> None:
@@ -401,7 +391,7 @@ class OuterState:
             "outer_state": [self.names[i] for i, t in enumerate(self.tensors) if self.optimizer.state.get(t)],
         }
         if (sync := self._in_flight_to_save()) is not None:
-            state["in_flight"] = {"fragment": sync.fragment, "apply_step": sync.apply_step}
+            state["in_flight"] = {"fragment": sync.fragment}
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -418,7 +408,7 @@ class OuterState:
         if "in_flight" in state:  # a buffer per parameter for the saved mean, which the tensor load fills
             fragment, indices = state["in_flight"]["fragment"], self.fragments[state["in_flight"]["fragment"]]
             means = [torch.zeros_like(local_view(self.params[i])) for i in indices]
-            self.in_flight = SyncInFlight(fragment, state["in_flight"]["apply_step"], indices, None, means, [])
+            self.in_flight = SyncInFlight(fragment, indices, None, means, [])
 
     def tensor_state_dict(self) -> dict:
         """θ_outer and the outer optimizer's state by parameter name, in the

@@ -10,20 +10,21 @@ time without one (then only counted, where the layout reduces them itself).
   same mean on buckets of its gradients as backward produces them, and waits
   once when backward ends; synchronous training has no native reduction
   there, so it always means over the replicas.
-- DDP: PyTorch's `post_localSGD_hook`, with the replica's own ranks as the
-  explicit subgroup (on CPU, `subgroup=None` fails at `start_localSGD_iter`).
+- DDP: what PyTorch's `post_localSGD_hook` does (the mean over the replicate
+  group during warmup, over the replica's own ranks after it), with the run's
+  clock deciding which instead of the hook's own iteration counter.
+
+Each asks the run's clock whether the step being taken is synchronous.
 """
 
 from __future__ import annotations
 
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
-from harness.averaging import schedule
 from harness.averaging.averagers import ReplicaAverager
 from harness.averaging.collectives import MeanInFlight, start_mean_over_group
 from harness.averaging.gradient_reduction import GradientReduction
@@ -37,26 +38,21 @@ def sync_gradients_during_warmup(
     averager: ReplicaAverager,
     traffic: CrossReplicaTraffic,
     reduction: GradientReduction | None = None,
-) -> PostLocalSGDState | None:
-    """Average gradients across replicas while the averager's step is synchronous.
-    Returns the DDP hook's state (its own iteration counter), None otherwise."""
-    replicate_group = mesh.get_group("replicate")
+) -> None:
+    """Average gradients across replicas while the clock's step is synchronous."""
+    clock = averager.clock
     if isinstance(model, DistributedDataParallel):
-        state = PostLocalSGDState(
-            process_group=replicate_group, subgroup=mesh.get_group("shard"), start_localSGD_iter=averager.warmup_steps
-        )
+        replicas, own = mesh.get_group("replicate"), mesh.get_group("shard")
 
-        def ddp_hook(state, bucket):  # unannotated: DDP rejects string annotations (__future__)
-            # the hook's own counter, which post_localSGD_hook decides by (it also counts skipped steps)
-            if schedule.synchronous(state.iter, state.start_localSGD_iter):
+        def ddp_hook(_, bucket):  # unannotated: DDP rejects string annotations (__future__)
+            if clock.tick.synchronous:
                 traffic.add_grad(bucket.buffer())
-            return post_localSGD_hook(state, bucket)
+                return default_hooks.allreduce_hook(replicas, bucket)
+            return default_hooks.allreduce_hook(own, bucket)  # post_localSGD_hook's subgroup: the replica's ranks
 
-        model.register_comm_hook(state, ddp_hook)
-        return state
-
-    reduce_over_replicas(model, reduction, averager.link, traffic, active=lambda: averager.synchronous)
-    return None
+        model.register_comm_hook(None, ddp_hook)
+        return
+    reduce_over_replicas(model, reduction, averager.link, traffic, active=lambda: clock.tick.synchronous)
 
 
 def start_mean_over_replicas(gradient: torch.Tensor, link: ReplicaLink, traffic: CrossReplicaTraffic) -> MeanInFlight:

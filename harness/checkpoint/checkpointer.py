@@ -25,6 +25,7 @@ from harness.checkpoint.files import RNG_FILE, CheckpointError, commit, read_met
 from harness.checkpoint.full import FullMode
 from harness.checkpoint.replicas import inner_optimizer, load_mean_of_copies, local_tensors, replica_layout
 from harness.checkpoint.sharded import AsyncShardedMode, ShardedMode
+from harness.clock import Tick
 from harness.config import CheckpointConf
 from harness.dist import synchronize, true_on_every_rank
 from harness.job import Job, Stateful
@@ -67,17 +68,16 @@ class Checkpointer:
     def async_save(self) -> bool:
         return isinstance(self.mode, AsyncShardedMode)
 
-    def due(self, step: int, last_step: int, since: int | None = None) -> bool:
-        """A save falls on `step`: a multiple of `checkpoint.interval` was reached since step `since`
-        (default: the step before; `averager.balance=time` moves by more between two meetings) or the last."""
-        since = step - 1 if since is None else since
-        return self.mode is not None and (step // self.cfg.interval > since // self.cfg.interval or step == last_step)
+    def due(self, tick: Tick) -> bool:
+        """A save falls after `tick` (a meeting of every rank): a multiple of `checkpoint.interval` was reached
+        since the meeting before, or the run ends."""
+        return self.mode is not None and tick.reached(self.cfg.interval)
 
-    def after_step(self, job: Job, step: int, last_step: int, since: int | None = None) -> dict:
-        """Save if `step` is due; report an async save that finished. Returns metrics for this step."""
+    def after_step(self, job: Job, tick: Tick) -> dict:
+        """Save if one is due after `tick`; report an async save that finished. Returns metrics for this step."""
         row = self._poll()
-        if self.due(step, last_step, since):
-            row.update(self.save(job, step))
+        if self.due(tick):
+            row.update(self.save(job, tick.step))
         return row
 
     def save(self, job: Job, step: int) -> dict:

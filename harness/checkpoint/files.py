@@ -103,7 +103,40 @@ def check_compatible(meta: dict, cfg: DictConfig, path: Path) -> list[str]:
             f"optimizer._target_={cfg.optimizer._target_}. Fix: resume with the saved optimizer, or "
             "checkpoint.resume=never with a new hydra.run.dir."
         )
-    return errors + _decay_group_errors(meta.get("config") or {}, cfg, path)
+    return errors + _decay_group_errors(meta.get("config") or {}, cfg, path) + _clock_errors(meta, cfg, path)
+
+
+def _clock_errors(meta: dict, cfg: DictConfig, path: Path) -> list[str]:
+    """The run's clock derives its plan again from a checkpoint's inputs for the config it resumes with
+    (docs/configuration.md#changing-a-run-at-resume); these changes it cannot honour."""
+    errors, step = [], meta.get("step", 0)
+    at = f"the checkpoint at {str(path)!r} is at step {step}"
+    if step > cfg.train.steps:
+        errors.append(
+            f"train.steps={cfg.train.steps}: {at}, past it, so nothing is left to train. Fix: train.steps={step} "
+            "or more (more steps go on from it), or checkpoint.resume=never with a new hydra.run.dir."
+        )
+    saved = meta.get("config") or {}
+    saved_averager, averager = saved.get("averager") or {}, cfg.averager
+    warmup, saved_warmup = averager.get("warmup_steps"), saved_averager.get("warmup_steps")
+    if averager.get("_target_") and saved_averager.get("_target_") and saved_warmup is not None:
+        if step > saved_warmup and warmup > step:
+            errors.append(
+                f"averager.warmup_steps={warmup}: {at}, past its warmup of {saved_warmup} steps, so its replicas "
+                "already trained apart (their parameters differ), and a warmup step averages gradients, not "
+                f"parameters: it cannot make them one model again. Fix: averager.warmup_steps={saved_warmup} (or "
+                f"any up to {step}), or averager=none (synchronous: a resume starts every replica from their mean)."
+            )
+    in_flight = ((meta.get("cross_replica") or {}).get("averager") or {}).get("in_flight")
+    fragments, saved_fragments = averager.get("fragments"), saved_averager.get("fragments")
+    if in_flight is not None and fragments is not None and saved_fragments not in (None, fragments):
+        errors.append(
+            f"averager.fragments={fragments}: {at}, inside the delay of a sync of fragment {in_flight['fragment']} "
+            f"of {saved_fragments}, whose mean pseudo-gradient it holds for that fragment's parameters alone. Fix: "
+            f"averager.fragments={saved_fragments}, or resume from a checkpoint saved outside a sync's delay (its "
+            "meta.json's cross_replica.averager has no in_flight)."
+        )
+    return errors
 
 
 def _decay_group_errors(saved: dict, cfg: DictConfig, path: Path) -> list[str]:

@@ -47,7 +47,7 @@ def replica_layout(job: Job) -> Layout:
         replica=job.mesh.get_local_rank("replicate"),
         replica_leader=job.mesh.get_local_rank("shard") == 0,
         local_sgd=averager is not None,
-        diverged=averager is not None and averager.diverged,
+        diverged=averager is not None and job.clock.diverged,
     )
 
 

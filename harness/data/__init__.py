@@ -7,6 +7,9 @@ samples: with `n` samples consumed by all ranks so far, rank r of w takes
 samples n + r*B ... n + r*B + B-1, and a step consumes w*B (B = the rank's
 samples per step: `train.batch_size` × `train.grad_accum`). The union over
 ranks of one step is exactly what a single process with batch w*B would read.
+In a job the run's clock says which replica step (slot) a step reads, so
+replicas that take their own number of local steps (`averager.balance=time`)
+still read each sample once; equal replicas read exactly the order above.
 The position is that one global count (`TokenStream.samples`), saved by the
 checkpoint code through `state_dict()`; because it does not depend on the
 world size, a run resumed on another layout continues with the next unread
@@ -53,7 +56,13 @@ class TokenStream:
     rank, consecutive samples of the rank's one slice of the step, so a run
     with K micro-batches of B reads exactly what a run with one batch of K·B
     reads, rank by rank. Checkpoints fall between steps, so `samples` is the
-    whole position."""
+    whole position.
+
+    In a job, `clock` (the run's) says which replica step of the run each step reads
+    (`Tick.slot`: a slot is `ranks_per_replica` ranks' slices); the position is anchored
+    where the run started or resumed (`anchor`: samples, and the clock's replica steps
+    then), so a resume on another layout maps the slots that follow onto the samples
+    that follow. Without a clock (a stream on its own) each step is the one after the last read."""
 
     def __init__(
         self,
@@ -64,24 +73,29 @@ class TokenStream:
         world_size: int,
         device: torch.device,
         micro_batches: int = 1,
+        clock=None,
+        ranks_per_replica: int = 1,
     ):
         self.source, self.batch_size, self.seq_len = source, batch_size, seq_len
         self.rank, self.world_size, self.device = rank, world_size, device
-        self.micro_batches = micro_batches
-        self.samples = 0
+        self.micro_batches, self.clock = micro_batches, clock
+        self.rank_samples = batch_size * micro_batches  # one rank's samples per step
+        self.replica_samples = self.rank_samples * ranks_per_replica  # one slot's
+        self.rank_in_replica = rank % ranks_per_replica
+        self.anchor = (0, 0)  # (samples, replica steps of the run) at the run's start or its resume
+        self.position = 0  # without a clock: the samples all ranks read so far
         self._micro = 0  # micro-batches of the current step read so far
         self._ahead: tuple[int, Future] | None = None  # (position, micro-batch) being read ahead
         self._thread: ThreadPoolExecutor | None = None
-        self.paced = None  # averager.balance=time: the slices of replicas that step at their own pace
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's next micro-batch, read ahead while the previous step ran; the one
-        after it starts reading now, on the stream's thread."""
+        """This rank's next micro-batch of the step being taken, read ahead while the previous step
+        ran; the one after it starts reading now, on the stream's thread."""
         seqs = self._take(self._first())
         self._micro += 1
         if self._micro == self.micro_batches:
             self._micro = 0
-            self.samples += self.world_size * self.batch_size * self.micro_batches
+            self.position += self.world_size * self.rank_samples
         following = self._first(next_step=self._micro == 0)
         self._ahead = (following, self._reader().submit(self._read, following))
         seqs = seqs.to(self.device, non_blocking=True)  # from pinned memory on CUDA: queued, no wait
@@ -90,9 +104,15 @@ class TokenStream:
     def _first(self, next_step: bool = False) -> int:
         """The first global sample of this rank's next micro-batch (of the step after the one
         being taken, when `next_step`: the step's micro-batches are read)."""
-        if self.paced is not None:
-            return self.paced.first_sample(next_step) + self._micro * self.batch_size
-        return self.samples + self.rank * self.batch_size * self.micro_batches + self._micro * self.batch_size
+        if self.clock is None:
+            return self.position + self.rank * self.rank_samples + self._micro * self.batch_size
+        slot = self.clock.next_slot() if next_step else self.clock.slot()
+        return self._sample(slot) + self.rank_in_replica * self.rank_samples + self._micro * self.batch_size
+
+    def _sample(self, slot: int) -> int:
+        """The first global sample of replica step `slot` of the run."""
+        samples, slots = self.anchor
+        return samples + (slot - slots) * self.replica_samples
 
     def _take(self, first: int) -> torch.Tensor:
         """The micro-batch at `first`: the one read ahead, unless the position moved since
@@ -130,17 +150,24 @@ class TokenStream:
     def tokens_read(self) -> dict:
         """Per-source token counts of a mixture so far (`data/tokens/*`), from the global position."""
         counts = getattr(self.source, "tokens_read", None)
-        return counts(self.position(), self.seq_len + 1) if counts is not None else {}
+        return counts(self.samples, self.seq_len + 1) if counts is not None else {}
 
-    def position(self) -> int:
+    @property
+    def samples(self) -> int:
         """Samples consumed by all ranks so far (where every rank meets, the same on each)."""
-        return self.paced.samples() if self.paced is not None else self.samples
+        if self.clock is None:
+            return self.position
+        return self._sample(self.clock.consumed())
 
     def state_dict(self) -> dict:
-        return {"samples": self.position()}
+        return {"samples": self.samples}
 
     def load_state_dict(self, state: dict) -> None:
-        self.samples = int(state["samples"])
+        """The position of a checkpoint or a healing peer (after the clock's: the slots count from it)."""
+        if self.clock is None:
+            self.position = int(state["samples"])
+        else:
+            self.anchor = (int(state["samples"]), self.clock.consumed())
 
 
 def data_source(cfg: DictConfig):
@@ -150,10 +177,15 @@ def data_source(cfg: DictConfig):
     return build(vocab_size=cfg.model.vocab_size, seed=cfg.train.seed)
 
 
-def build_data(cfg: DictConfig, rank: int, world_size: int, device: torch.device) -> TokenStream:
-    """This rank's slice of the stream `cfg.data` describes, its files opened (collective)."""
+def build_data(
+    cfg: DictConfig, rank: int, world_size: int, device: torch.device, clock=None, ranks_per_replica: int = 1
+) -> TokenStream:
+    """This rank's slice of the stream `cfg.data` describes, its files opened (collective); in a job the
+    run's `clock` says which replica step each step reads (its replicas of `ranks_per_replica` ranks)."""
     source = data_source(cfg)
     if hasattr(source, "open"):
         source.open()
     train = cfg.train
-    return TokenStream(source, train.batch_size, train.seq_len, rank, world_size, device, train.grad_accum)
+    return TokenStream(
+        source, train.batch_size, train.seq_len, rank, world_size, device, train.grad_accum, clock, ranks_per_replica
+    )

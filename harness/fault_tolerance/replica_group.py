@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from harness import metrics
 from harness.checkpoint.checkpointer import tensor_state
 from harness.checkpoint.replicas import inner_optimizer
+from harness.clock import Tick
 from harness.dist import local_view
 from harness.fault_tolerance.link import QuorumFailed, TorchftLink
 from harness.fault_tolerance.outputs import FINISHED, PeersFinished, finished_peer
@@ -44,45 +45,63 @@ class ReplicaGroup:
         self.alone_after_s = ft.quorum_timeout_s
         self.restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0  # the launcher's and torchrun's
         self.heals, self.heals_sent, self.skipped_steps, self.replicas, self.joined = 0, 0, 0, None, False
+        self.looked = False  # a restarted group looked for peers that finished the run
         device = trainer.env.device
         # what this group sends a peer it heals, copied after the work queued on the training stream
         self.staging = HostStaging(torch.cuda.current_stream(device) if device.type == "cuda" else None)
         self.row: dict = {}
         link.manager.register_state_dict_fn("harness", self._load_heal_state, self._heal_state)
 
-    def before_step(self) -> None:
-        """Open a quorum if the coming step crosses replicas (or is this group's first):
-        a heal here replaces every part of the job, the trainer's step included."""
-        if self.joined and not self.trainer.job.cross_replica.crosses_replicas():
-            return
+    def before_step(self, tick: Tick) -> Tick:
+        """Open a quorum if the step `tick` crosses replicas; the time it waits there is the clock's to leave
+        out of step times. A group's first quorum is how it joins (at its start or restart): at its first step
+        that crosses replicas, where its peers open theirs (with replicas that take their own number of local
+        steps, an exchange: a group that joined at a local step would open one quorum more than they), and it
+        is healed there when it is behind. A heal replaces every part of the job, the clock included: the
+        step is then the clock's next one, as this group now stands."""
+        clock = self.trainer.clock
+        if self.restarted and not self.looked:  # before its first step: a run its peers finished is not trained on
+            self._stop_if_a_peer_finished()
+        self.looked = True
+        if not tick.crosses_replicas:
+            return tick
         heals, sent = self.heals, self.heals_sent
-        self._quorum(lambda: self.link.begin(self._steps_done()) if self.joined else self._join())
+        if tick.exchange is not None:  # the fast group waits here for the slow one, before its last step
+            clock.waiting()
+        start = time.perf_counter()
+        self._quorum(lambda: self.link.begin(tick.step) if self.joined else self._join(tick))
+        clock.waited(time.perf_counter() - start)
         self.joined = True
-        if self.heals > heals:
-            self.row[metrics.FT_HEAL_TIME] = self.row[metrics.FT_QUORUM_TIME]
         if self.heals_sent == sent:  # no peer to heal: a heal sent at an earlier quorum has been received by now
             self.staging.release()
+        if self.heals == heals:
+            return tick
+        self.row[metrics.FT_HEAL_TIME] = self.row[metrics.FT_QUORUM_TIME]
+        return clock.next()
 
-    def complete_the_last_exchange(self) -> None:
+    def complete_the_last_exchange(self, tick: Tick) -> None:
         """At the run's last step, redo its exchange if it did not commit (a group was lost in it): no
         later sync would take its window in, so each survivor would end with a model of its own. The
-        survivors redo it among themselves (`TorchftLink.reform`); a group restarted meanwhile finds
-        them finished and stops. Each retry follows a loss, so there are at most as many as groups."""
-        averager, step = self.trainer.job.cross_replica.averager, self.trainer.state.step + 1
+        survivors redo it among themselves (`TorchftLink.reform`), weighed over themselves; a group
+        restarted meanwhile finds them finished and stops. Each retry follows a loss, so there are at
+        most as many as groups."""
+        averager = self.trainer.job.cross_replica.averager
         if averager is None:  # synchronous training: a step that did not commit was skipped, as any other
             return
         for _ in range(self.replicas):
-            if averager.uncommitted is None:
+            if not averager.uncommitted:
                 return
             self._quorum(self.link.reform)
             log.warning(
                 "step %d: the last exchange did not commit; redoing it among the %d replica groups left",
-                step,
+                tick.step,
                 self.replicas,
             )
-            averager.redo_uncommitted()
-        if averager.uncommitted is not None:
-            log.warning("step %d: the last exchange did not commit again: each group ends with its own model", step)
+            averager.redo_exchange()
+        if averager.uncommitted:
+            log.warning(
+                "step %d: the last exchange did not commit again: each group ends with its own model", tick.step
+            )
 
     def _quorum(self, open_quorum) -> None:
         """Open a quorum with `open_quorum`, asked again while it fails (each failure is one more exchange
@@ -95,7 +114,7 @@ class ReplicaGroup:
                 break
             except QuorumFailed as e:
                 self.link.exchange_failed(e)
-                log.warning("step %d: %s; asking again", self.trainer.state.step + 1, e)
+                log.warning("step %d: %s; asking again", self.trainer.clock.step + 1, e)
         replicas = self.link.size()
         if self.replicas is not None and replicas != self.replicas:
             change = "joined" if replicas > self.replicas else "left"
@@ -103,7 +122,7 @@ class ReplicaGroup:
         self.replicas = replicas
         self.row[metrics.FT_QUORUM_TIME] = self.row.get(metrics.FT_QUORUM_TIME, 0.0) + time.perf_counter() - start
 
-    def _join(self) -> None:
+    def _join(self, tick: Tick) -> None:
         """A group's first quorum, at its (re)start: repeated until it holds another group (then a
         group that is behind has been healed), or `fault_tolerance.quorum_timeout_s` has passed with none. The
         lighthouse gives a lone asker a quorum of its own once the others' wait is over, or at
@@ -115,18 +134,10 @@ class ReplicaGroup:
             if self.restarted:
                 self._stop_if_a_peer_finished()
             heals = self.heals
-            self.link.begin(self._steps_done())
+            self.link.begin(tick.step)
             if self.link.size() > 1 or self.heals > heals or time.monotonic() > deadline:
                 return
             time.sleep(0.2)
-
-    def _steps_done(self) -> int:
-        """This group's place in the run for the quorum: its step; with averager.balance=time, where the
-        groups meet (each one's own step before an exchange is interpolated, and differs)."""
-        pace = self.trainer.pace
-        if pace is None:
-            return self.trainer.state.step
-        return pace.meeting_step(self.trainer.job.cross_replica.averager.step)
 
     def _stop_if_a_peer_finished(self) -> None:
         """Raise PeersFinished if a peer has trained every step (read by the group's first rank, on a file
@@ -138,7 +149,7 @@ class ReplicaGroup:
             raise PeersFinished(
                 f"replica group {self.replica_id} restarted after replica group {peer} finished training (step "
                 f"{step}): no peer is left to heal from, and the run's model is theirs, so it stops at step "
-                f"{self.trainer.state.step} (its newest checkpoint)"
+                f"{self.trainer.clock.step} (its newest checkpoint)"
             )
 
     def finish(self) -> None:
@@ -146,12 +157,12 @@ class ReplicaGroup:
         unless no exchange of the run ever committed (ExchangesFailed: the groups trained apart)."""
         self.link.all_failed()
         if dist.get_rank() == 0:
-            (self.outputs / FINISHED).write_text(json.dumps({"step": self.trainer.state.step}))
+            (self.outputs / FINISHED).write_text(json.dumps({"step": self.trainer.clock.step}))
 
-    def gradients_committed(self) -> bool:
+    def gradients_committed(self, tick: Tick) -> bool:
         """A synchronous step's gradient exchange (averager=none, or a warmup step) succeeded with enough
         replica groups; else the step is skipped, counted in ft/skipped_steps."""
-        if not self.trainer.job.cross_replica.synchronous:
+        if not tick.synchronous:
             return True
         committed = self.link.commit()
         self.skipped_steps += not committed
@@ -183,7 +194,7 @@ class ReplicaGroup:
         parts = job.checkpoint_parts()
         return _local(
             {
-                "step": self.trainer.state.step,
+                "step": self.trainer.clock.step,
                 "model": {fqn: local_view(p) for fqn, p in job.model.named_parameters()},
                 "optim": get_optimizer_state_dict(job.model, inner_optimizer(job.optimizer)),
                 "parts": {name: part.state_dict() for name, part in parts.items()},
@@ -210,10 +221,7 @@ class ReplicaGroup:
             if tensors:
                 _copy_into(tensors, state["part_tensors"][name])
                 part.load_tensor_state_dict(tensors)
-        pace = job.cross_replica.pace
-        if pace is not None:  # the peer's plan, from this group's side
-            pace.join(state["parts"]["cross_replica"]["pace"], job.cross_replica.averager.step)
-        self.trainer.state.step = step
+        job.clock.rejoined = True  # its step time restarts from its peers' (said at the next exchange)
         rank = self.replica_id * self.shard + dist.get_rank()
         seed_rank(self.seed + step, rank)
         self.heals += 1
@@ -225,13 +233,13 @@ class ReplicaGroup:
 
 def digest(state) -> str:
     """A short hash of a state tree's values, bit for bit (tensors by their bytes, in tree order). The
-    pace's plan (averager.balance=time, adacomm) is left out: a healed group holds it from its own side
-    (`Pace.load_state_dict` puts it at the sender's exchange, at its own local step)."""
+    clock's part is left out: a healed group holds it from its own side (at the sender's exchange, at its
+    own local step of its own plan)."""
     h = hashlib.sha256()
 
     def walk(value) -> None:
         if isinstance(value, dict):
-            for key in sorted((k for k in value if k != "pace"), key=str):
+            for key in sorted((k for k in value if k != "clock"), key=str):
                 h.update(str(key).encode())
                 walk(value[key])
         elif isinstance(value, (list, tuple)):
@@ -325,8 +333,9 @@ def _in_layout(optim: dict, params: dict) -> dict:
     state = {}
     for fqn, values in optim["state"].items():
         p = params[fqn]
-        device = local_view(p).device  # the sent tensors are on the host
-        values = {k: v.to(device) if torch.is_tensor(v) else v for k, v in values.items()}
+        device = local_view(p).device  # the sent tensors are on the host, in the transport's buffers
+        # copies: the optimizer keeps the tensors it is given, and the transport's buffers are not ours to keep
+        values = {k: v.to(device, copy=True) if torch.is_tensor(v) else v for k, v in values.items()}
         state[fqn] = {
             k: DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
             if isinstance(p, DTensor) and torch.is_tensor(v) and v.shape == local_view(p).shape and v.dim() > 0

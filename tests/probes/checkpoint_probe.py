@@ -34,7 +34,7 @@ def main(ckpt: str, out: str, overrides: list[str]) -> None:
     env = init_distributed(cfg.train.device, cfg.dist.timeout_s, cfg.dist.threads_per_rank)
     job = build_job(cfg, env, plan_run(cfg, env.world_size, env.local_world_size, Path(out).parent))
     with Trainer(job, cfg, env, Path(out).parent, resume_from=Path(ckpt)) as trainer:
-        step = trainer.state.step
+        step = trainer.clock.step
     model = gather_full(get_model_state_dict(job.model), keep=env.is_main)
     parts = {name: gather_full(tensor_state(part), keep=env.is_main) for name, part in job.checkpoint_parts().items()}
     if env.is_main:

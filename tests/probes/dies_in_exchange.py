@@ -25,13 +25,14 @@ before_step, all_reduce = ReplicaGroup.before_step, TorchftLink.all_reduce
 dying = False
 
 
-def before_step_then_die(self) -> None:
+def before_step_then_die(self, tick):
     global dying
-    before_step(self)
-    if self.trainer.state.step + 1 == DIE_AT_STEP:
+    tick = before_step(self, tick)
+    if tick.step == DIE_AT_STEP:
         if not IN_ALL_REDUCE:
             os.kill(os.getpid(), signal.SIGKILL)
         dying = True
+    return tick
 
 
 def all_reduce_then_die(self, tensor):

@@ -1,0 +1,560 @@
+"""`Clock`: where the run stands, for every part that asks (docs/design.md#one-clock)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from harness import metrics
+from harness.clock.rules import (
+    adacomm_period,
+    balanced_local_steps,
+    fit_to_remaining,
+    hierarchical_period,
+    level_meeting,
+    mean_weight,
+    smoothed,
+)
+from harness.clock.tick import Level, Schedule, Tick
+from harness.dist import mean_over_ranks, synchronize
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """What an exchange's figures gave this replica."""
+
+    scale: float | None  # what it scales its tensors by before the plain mean (None: the plain mean, bit for bit)
+    carried: torch.Tensor | None  # the averager's `carried` figures, summed over every rank
+
+
+class Figures:
+    """Named float64 figures in one tensor, for one sum over every rank; read back in one host copy."""
+
+    def __init__(self, device: torch.device, **sizes: int):
+        self.slices, end = {}, 0
+        for name, size in sizes.items():
+            self.slices[name] = slice(end, end + size)
+            end += size
+        self.tensor = torch.zeros(end, dtype=torch.float64, device=device)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensor[self.slices[name]]
+
+    def read(self) -> dict[str, list[float]]:
+        values = self.tensor.tolist()
+        return {name: values[where] for name, where in self.slices.items()}
+
+
+class Clock:
+    """The one authority on time in a run. The loop asks it for each local step this replica takes
+    (`next`: a `Tick`) and tells it when the step is taken (`advance`); the averagers, the gradient hooks,
+    the data stream, the non-finite guard, the fault-tolerance group and the checkpoint read the tick, and
+    no part keeps a count of its own.
+
+    Warmup steps are synchronous: every replica takes each of them. After warmup the run is a sequence of
+    periods, each ended by an exchange of every replica (the last may be cut to the run's end, without
+    one). A period's plan is each replica's local steps in it, derived from the schedule and the inputs
+    below at the exchange that starts it, the same on every replica; with `balance=steps` and a fixed
+    period it is `period` steps for all, which is PyTorch's and DiLoCo's fixed schedule, on this same path.
+
+    The run's progress is counted in replica steps (local steps of all replicas: a replica's samples
+    over its batch); the global step is that count over the replicas, so a replica i steps into a period
+    of its own k stands at the global step i/k of the way from the period's start to its end. The
+    global step is what the learning-rate schedule, log, eval and checkpoint names follow.
+
+    Its checkpoint part holds inputs, never the plan: the progress (replica steps before the period
+    under way, each replica's steps in it, exchanges so far, the steps each replica's tensors hold), the
+    measurements (each replica's step time, the first step's and the last exchange's mean loss). A resume
+    derives the plan again for the run it is in: exact when nothing changed, defined when something did
+    (docs/configuration.md#changing-a-run-at-resume)."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        steps: int,
+        replicas: int,
+        replica: int,
+        leads: bool,
+        samples_per_step: int,
+        device: torch.device,
+        sum_over_replicas: Callable[[torch.Tensor], None] | None = None,
+    ):
+        """`steps`: train.steps; `replicas`: the run's (fault tolerance: the replica groups), `replica`:
+        this rank's; `leads`: this rank writes its replica's figures (its first shard); `samples_per_step`:
+        one replica's samples per local step; `sum_over_replicas`: completes a sum over this world across
+        the replica groups it does not hold (fault tolerance), else None."""
+        self.schedule, self.steps, self.replicas, self.replica = schedule, steps, replicas, replica
+        self.leads, self.samples_per_step, self.device = leads, samples_per_step, device
+        self.sum_over_replicas = sum_over_replicas
+        self.balances = str(schedule.balance) == "time"
+        self.adapts = str(schedule.period_schedule) == "adacomm"
+        self.plans = self.balances or self.adapts  # exchanges share figures, and periods may change
+        fragments = schedule.fragments
+        self.stride = schedule.period // fragments  # local steps between two exchanges
+        self.min_stride = max(1, math.ceil(schedule.min_period / fragments))
+        # inputs (the checkpoint part): progress ...
+        self.done = 0  # replica steps of the run before the period under way (in warmup: so far)
+        self.taken = 0  # this replica's local steps in the period under way
+        self.syncs = 0  # exchanges so far: the next syncs fragment `syncs % fragments`
+        self.trained = [0] * replicas  # each replica's local steps before the period under way
+        # each fragment's local steps in each replica's tensors since its sync was last applied
+        self.held = [[0] * replicas for _ in range(fragments)]
+        # ... and measurements
+        self.step_times: list[float | None] = [None] * replicas  # smoothed, each replica's own steps
+        self.first_loss: float | None = None  # F₀: the ranks' mean loss at the run's first step (adacomm)
+        self.first_loss_shared = sum_over_replicas is None  # F₀ is the mean over every replica group too
+        self.exchange_loss: float | None = None  # F at the exchange that planned the period under way
+        # derived
+        self.step = 0  # the run's global step where this replica stands
+        self.met = 0  # the global step of this replica's last meeting
+        self.planned: list[int] | None = None  # each replica's local steps in the period under way ...
+        self.plan: list[int] | None = None  # ... cut to the run's end (None in warmup)
+        self.cut = False
+        self.in_step = True  # every replica takes the period's steps at the same global steps (equal plans)
+        self.anchor = (0, 0)  # (local steps, global step) where the period under way was entered
+        self._replan()
+        # this process's
+        self.tick: Tick | None = None  # the step being taken
+        self.loaded: list[int] | None = None  # each replica's steps in the period, as loaded, until the next tick
+        self.loss: torch.Tensor | None = None  # the loss of the step being taken (adacomm's F, read at exchanges)
+        self.started: float | None = None  # when this period's local steps began (None: not measured)
+        self.idle_s = 0.0  # ... and of the time since, meetings within it (a hierarchy's groups, quorums)
+        self.arrived: float | None = None  # the wall time this replica began waiting for the exchange ahead
+        self.computed_at = 0.0  # when the compute of its last step before the exchange ahead ended
+        self.timer_due = False  # a period began: its timer starts at the next tick (after log, eval and save)
+        self.rejoined = False  # healed (fault tolerance): its step time restarts from its peers'
+        self.staged: tuple | None = None  # an exchange's figures, until it commits
+        self.counted = False  # the exchange ahead's steps are counted (`exchanged`)
+        self.row: dict = {}  # the last committed exchange's figures, until its row takes them
+
+    # -- where the run stands --------------------------------------------------------------------
+
+    @property
+    def warming(self) -> bool:
+        """The run is in its synchronous warmup (at a period's boundary: a period under way ends first)."""
+        return self.taken == 0 and self.done // self.replicas < self.schedule.warmup
+
+    @property
+    def finished(self) -> bool:
+        return self.step >= self.steps
+
+    @property
+    def diverged(self) -> bool:
+        """A step so far was local: replicas may hold different parameters and optimizer states (a
+        checkpoint keeps a copy per replica)."""
+        return self.local > self.schedule.warmup
+
+    @property
+    def local(self) -> int:
+        """This replica's local steps so far (warmup included): the averager's step."""
+        return self.trained[self.replica] + self.taken
+
+    @property
+    def final(self) -> bool:
+        """The period under way ends the run."""
+        return self.done + sum(self.plan) >= self.steps * self.replicas
+
+    def _step_at(self, taken: int) -> int:
+        """This replica's global step after `taken` local steps of the period under way: on the line from
+        the period's start (or the point a resume entered it at) to its end."""
+        if self.plan is None:
+            return self.done // self.replicas
+        since, start = self.anchor
+        mine = self.plan[self.replica]
+        if taken >= mine and since >= mine:  # entered complete: the run's end
+            return start
+        end = self.steps if self.final else max(start, (self.done + sum(self.plan)) // self.replicas)
+        return start + (taken - since) * (end - start) // (mine - since)
+
+    def _slot(self, taken: int) -> int:
+        """The slot of this replica's step after `taken` local steps of the period under way: in a period,
+        the replicas' i-th steps follow each other in replica order, those that already took all theirs
+        left out, so equal replicas read as synchronous ones do."""
+        if self.plan is None:
+            return self.done + self.replica
+        before = sum(min(k, taken) for k in self.plan)
+        return self.done + before + sum(k > taken for k in self.plan[: self.replica])
+
+    def slot(self) -> int:
+        """The slot the step being taken reads (between steps, as a bench reads a batch outside the loop:
+        the next step's)."""
+        return self.tick.slot if self.tick is not None else self._slot(self.taken)
+
+    def next_slot(self) -> int:
+        """The slot of the tick after the one being taken, for reading ahead: exact, unless a heal or a
+        resume moves the run (the reader then reads again)."""
+        if self.plan is None or self.taken + 1 == self.plan[self.replica]:
+            after = self.done + (self.replicas if self.plan is None else sum(self.plan))
+            return after + self.replica  # the next period's first step, whatever its plan
+        return self._slot(self.taken + 1)
+
+    def consumed(self) -> int:
+        """Replica steps of the run so far, where every replica's position is known (a save, a heal)."""
+        return self.done + sum(self.positions())
+
+    def positions(self) -> list[int]:
+        """Every replica's local steps in the period under way, as this replica's position tells them where
+        every rank meets: at the period's start none; before the exchange that ends it (a heal's quorum)
+        one short of each plan; at the run's end each plan; with equal plans its own."""
+        if self.loaded is not None:
+            return list(self.loaded)
+        if self.plan is None or self.taken == 0 and (self.tick is None or self.tick.exchange is None):
+            return [0] * self.replicas
+        if self.tick is not None and self.tick.exchange is not None:
+            return [k - 1 for k in self.plan]
+        mine = self.plan[self.replica]
+        if self.taken == mine:
+            return list(self.plan)
+        return [self.taken * k // mine for k in self.plan]  # equal plans: its own (only there, between meetings)
+
+    def delay(self, replica: int) -> int:
+        """A replica's local steps from a DiLoCo sync's start to its apply: `sync_delay`; when the period
+        may change, the same share of its planned steps as `sync_delay` is of the fastest's (rounded down,
+        before its next exchange), so every replica applies after about the same wall time, and a replica
+        planned fewer steps than the delay applies before its next step, losing none of them."""
+        tau = self.schedule.sync_delay
+        if tau == 0 or not self.plans or self.planned is None:
+            return tau
+        k = self.planned[replica]
+        return min(k - 1, tau * k // max(self.planned))
+
+    # -- the steps ---------------------------------------------------------------------------------
+
+    def next(self) -> Tick:
+        """What this replica's next local step is (the step being taken until `advance`)."""
+        self.loaded = None
+        if self.timer_due:  # the period's local steps start now: its exchange's log, eval and save are left out
+            self.timer_due = False
+            self.started = time.perf_counter() if self.syncs >= 2 else None  # the run's first periods hold start-up
+            self.idle_s, self.arrived = 0.0, None
+        before, local = self.step, self.local
+        if self.warming:
+            step = before + 1
+            self.tick = Tick(
+                local=local,
+                before=before,
+                step=step,
+                slot=self._slot(0),
+                synchronous=True,
+                ends_warmup=step == self.schedule.warmup,
+                exchange=None,
+                level=None,
+                apply_before=False,
+                apply_after=False,
+                advance=False,
+                meeting=True,
+                met=self.met,
+                last=step >= self.steps,
+            )
+            return self.tick
+        taken, mine = self.taken + 1, self.plan[self.replica]
+        ends = taken == mine
+        exchange = self.syncs % self.schedule.fragments if ends and not self.cut else None
+        last = ends and self.final
+        delay, delayed = self.delay(self.replica), self.schedule.sync_delay > 0 and self.syncs > 0
+        self.tick = Tick(
+            local=local,
+            before=before,
+            step=self._step_at(taken),
+            slot=self._slot(self.taken),
+            synchronous=False,
+            ends_warmup=False,
+            exchange=exchange,
+            level=None if exchange is not None else self._level(taken),
+            apply_before=delayed and self.taken >= delay,
+            apply_after=delayed and delay >= 1 and taken == delay,
+            advance=delayed and delay >= 2 and taken == delay - delay // 2,
+            # replicas in step meet at every step; with balance=time only at exchanges: a collective between
+            # them (a log's mean) would make a fast replica wait for a slow one inside its measured step times
+            meeting=self.in_step and not self.balances or exchange is not None or last,
+            met=self.met,
+            last=last,
+        )
+        return self.tick
+
+    def _level(self, taken: int) -> Level | None:
+        """The hierarchy's group below all replicas that meets after this replica's `taken`-th step."""
+        levels = dict(self.schedule.levels)
+        if not levels:
+            return None
+        if len(set(self.plan)) == 1:  # replicas in step: PyTorch's rule, on the step every replica is at
+            below = [p for p in levels if p < self.schedule.period]
+            period = hierarchical_period(self.step, below)
+            return None if period is None else Level(period, None)
+        cut = self.plan if self.cut else None
+        meeting = level_meeting(taken, self.planned, cut, self.replica, levels, self.schedule.period)
+        if meeting is None:
+            return None
+        period, held = meeting
+        return Level(period, mean_weight(held, held[self.replica % levels[period]]))
+
+    def computed(self, loss: torch.Tensor) -> None:
+        """The step's forward and backward are done, `loss` its loss (a device tensor, read at the next exchange:
+        AdaComm's F). Before an exchange this replica's period ends here, ahead of anything that waits for the
+        others (the host's finite check, the exchange's own collectives). On the first step with no F₀ (a fresh
+        run, or one resumed without it) F₀ is the ranks' mean of `loss`, read now: every rank takes its first
+        step once, so the collective pairs up (under fault tolerance the groups' means meet at the first
+        exchange)."""
+        if self.plans and self.tick.exchange is not None:
+            synchronize(self.device)  # the step time ends at finished work
+            self.computed_at = time.perf_counter()
+            self.waiting()
+        if self.adapts:
+            self.loss = loss
+            if self.first_loss is None:
+                self.first_loss = mean_over_ranks(loss.double())
+
+    def advance(self) -> None:
+        """The step being taken is done (its optimizer step, its averaging): the run moves to its step."""
+        tick, self.tick = self.tick, None
+        if tick.meeting:
+            self.met = tick.step
+        if tick.synchronous:
+            self.done += self.replicas
+            self.trained = [k + 1 for k in self.trained]
+            if not self.warming:  # the first period begins
+                self.anchor = (0, self.done // self.replicas)
+                self._replan()
+        elif tick.exchange is not None:
+            if not self.counted:  # no averager took part (the exchange had nothing to do): every replica its plan
+                self._count(list(self.plan))
+            self.counted = False
+            self.done += sum(self.plan)
+            self.taken, self.syncs, self.timer_due = 0, self.syncs + 1, True
+            self.anchor = (0, self.done // self.replicas)
+            self._replan()
+        else:
+            self.taken += 1
+        self.step = tick.step
+
+    def _replan(self, positions: list[int] | None = None) -> None:
+        """The period under way's plan, from the inputs: the fastest replica takes the period in force
+        (the first period: the schedule's first), the others what fits in its time; cut to the run's end.
+        `positions`: each replica's steps in it already (a resume), which a changed plan cannot undo: one
+        that took all its new plan takes one more, and the exchange follows."""
+        if self.warming:
+            self.planned = self.plan = None
+            self.cut = False
+            return
+        stride = self.schedule.first if self.syncs == 0 else self._stride()
+        if self.balances:
+            self.planned = balanced_local_steps(stride, self.step_times)
+        else:
+            self.planned = [stride] * self.replicas
+        remaining = self.steps * self.replicas - self.done
+        self.plan, self.cut = fit_to_remaining(self.planned, max(remaining, 1))
+        if positions is not None and self.done + sum(positions) < self.steps * self.replicas:
+            self.plan = [k if t < k else t + 1 for k, t in zip(self.plan, positions)]
+        self.in_step = len(set(self.plan)) == 1 and len(set(positions or [0])) == 1
+
+    def _stride(self) -> int:
+        """The local steps between exchanges in force: AdaComm's from the last exchange's loss, else the schedule's."""
+        if self.adapts and self.exchange_loss is not None and self.first_loss is not None:
+            return adacomm_period(self.exchange_loss, self.first_loss, self.stride, self.min_stride)
+        return self.stride
+
+    # -- exchanges ---------------------------------------------------------------------------------
+
+    def waiting(self) -> None:
+        """This replica begins waiting for its peers at the exchange ahead (fault tolerance: the quorum
+        before its last step of the period): its arrival, for the wait figures."""
+        if self.arrived is None:
+            self.arrived = time.time()
+
+    def waited(self, seconds: float) -> None:
+        """Time this replica spent meeting within the period (a hierarchy's group, waits for a slower member
+        included; a quorum): step times leave it out, so a replica is planned by its own speed."""
+        self.idle_s += seconds
+
+    def exchange(self, carried: torch.Tensor | None = None) -> Exchange:
+        """At the exchange after the step being taken, every replica's: when the plan may change, the
+        figures it is derived from, in one small sum over every rank (the exchange is the one moment every
+        rank is there anyway), with an averager's `carried` float64 figures. Returns this replica's scale
+        for the weighted mean of the fragment it syncs: each replica weighted by the local steps its tensors
+        hold (since that fragment's sync was last applied), among the replicas that trained (fault
+        tolerance: a group outside the quorum took none)."""
+        fragment, completed = self.tick.exchange, list(self.plan)
+        summed, staged = None, None
+        if self.plans:
+            figures = self._share(carried)
+            completed = [int(k) for k in figures["completed"]]
+            summed = torch.tensor(figures["carried"], dtype=torch.float64) if carried is not None else None
+            staged = figures
+        held = [h + k for h, k in zip(self.held[fragment], completed)]
+        members = [q for q in range(self.replicas) if completed[q] > 0]
+        scale = mean_weight([held[q] for q in members], held[self.replica]) if self.replica in members else None
+        self.staged = (completed, staged)
+        return Exchange(scale, summed)
+
+    def _share(self, carried: torch.Tensor | None) -> dict[str, list[float]]:
+        now, mine, r, n = self.computed_at, self.taken + 1, self.replica, self.replicas
+        extra = 0 if carried is None else carried.numel()
+        figures = Figures(self.device, step_time=n, arrival=n, completed=n, loss=2, first_loss=2, carried=extra)
+        if self.leads:  # one figure per replica; a step time of -1: restarted, take the peers' median
+            if self.rejoined:
+                figures["step_time"][r] = -1.0
+            elif self.started is not None:
+                figures["step_time"][r] = (now - self.started - self.idle_s) / mine
+            figures["arrival"][r] = self.arrived  # wall clock: comparable across hosts (to their clocks' sync)
+            figures["completed"][r] = mine
+        if self.adapts and self.loss is not None:
+            figures["loss"][0] = self.loss.detach().to(torch.float64)
+            figures["loss"][1] = 1.0
+        if not self.first_loss_shared and self.first_loss is not None:
+            figures["first_loss"][0], figures["first_loss"][1] = self.first_loss, 1.0
+        if carried is not None:  # the sums are the averager's, on this stream: read below, after the sum
+            figures["carried"].copy_(carried)
+        dist.all_reduce(figures.tensor)  # every rank of the world is at this exchange
+        if self.sum_over_replicas is not None:
+            self.sum_over_replicas(figures.tensor)  # and every replica group in the quorum (fault tolerance)
+        return figures.read()
+
+    def exchanged(self, committed: bool) -> None:
+        """The exchange's averaging is over. `committed`: it took effect (fault tolerance: a group lost in
+        it undoes it, and its figures may be a part of the quorum's: the plan keeps its inputs, and every
+        replica counts as having taken its planned steps)."""
+        completed, figures = self.staged
+        self.staged = None
+        self._count(completed if committed else list(self.plan))
+        if figures is not None and committed:
+            self._measured(figures, completed)
+
+    def _count(self, completed: list[int]) -> None:
+        """The period's local steps, each replica's, into what it trained and what its tensors hold."""
+        self.trained = [a + k for a, k in zip(self.trained, completed)]
+        self.held = [[h + k for h, k in zip(held, completed)] for held in self.held]
+        self.counted = True
+
+    def _measured(self, figures: dict[str, list[float]], completed: list[int]) -> None:
+        """A committed exchange's figures become the plan's inputs, and its row."""
+        n = self.replicas
+        self.row = {metrics.AVERAGER_PERIOD: self._stride() * self.schedule.fragments}  # the one that ended
+        for q, t in enumerate(figures["step_time"]):
+            if t > 0:
+                self.step_times[q] = smoothed(self.step_times[q], t)
+            elif t < 0:  # a group restarted and healed since the last exchange
+                others = [x for p, x in enumerate(self.step_times) if p != q and x is not None]
+                self.step_times[q] = statistics.median(others) if others else None
+        self.rejoined = False
+        latest = max(figures["arrival"])
+        for q in (q for q in range(n) if completed[q]):
+            name = str(q)
+            self.row[metrics.REPLICA_LOCAL_STEPS.named(name)] = completed[q]
+            self.row[metrics.REPLICA_SAMPLES.named(name)] = self.trained[q] * self.samples_per_step
+            self.row[metrics.REPLICA_WAIT.named(name)] = latest - figures["arrival"][q]
+            if figures["step_time"][q] > 0:
+                self.row[metrics.REPLICA_STEP_TIME.named(name)] = figures["step_time"][q]
+        loss, ranks = figures["loss"]
+        if self.adapts and ranks:
+            self.exchange_loss = loss / ranks
+        first, groups = figures["first_loss"]
+        if groups:
+            self.first_loss, self.first_loss_shared = first / groups, True
+
+    def take_row(self) -> dict:
+        """The last committed exchange's figures (balance=time, adacomm), once."""
+        row, self.row = self.row, {}
+        return row
+
+    def applied(self, fragment: int, delayed: bool = False) -> None:
+        """The mean of `fragment`'s sync is in: each replica's tensors of it hold no local step of their own
+        now. A delayed DiLoCo sync is applied at each replica's own step, after its `delay`: the local steps
+        it took since the sync started count against what its tensors hold (with `averager.mix` 0 their
+        progress was replaced)."""
+        self.held[fragment] = [-self.delay(q) if delayed else 0 for q in range(self.replicas)]
+
+    def reweigh(self, fragment: int) -> float | None:
+        """This replica's scale for the exchange after the step being taken, redone among the replicas in
+        the quorum now (fault tolerance, at the run's last step): weighed over those alone."""
+        if not self.plans:
+            return None
+        figures = Figures(self.device, held=1, members=1)
+        if self.leads:
+            figures["held"][0], figures["members"][0] = self.held[fragment][self.replica], 1.0
+        dist.all_reduce(figures.tensor)
+        self.sum_over_replicas(figures.tensor)
+        values = figures.read()
+        total, members, mine = values["held"][0], values["members"][0], self.held[fragment][self.replica]
+        scale = mine * members / total if total > 0 else None
+        return None if scale == 1.0 else scale
+
+    # -- its checkpoint part -----------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """The inputs (the same on every rank where every rank meets: a save, a heal)."""
+        return {
+            "replicas": self.replicas,
+            "done": self.done,
+            "taken": self.positions(),
+            "syncs": self.syncs,
+            "trained": list(self.trained),
+            "held": [list(h) for h in self.held],
+            "step_times": list(self.step_times),
+            "first_loss": self.first_loss,
+            "first_loss_shared": self.first_loss_shared,
+            "exchange_loss": self.exchange_loss,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """A checkpoint's (or a healing peer's) inputs, and the plan derived again for this run: more or
+        fewer steps cut the period under way elsewhere; a new period, schedule or balance plans it anew
+        (a replica that already took its new plan takes one more step to the exchange); another replica
+        count keeps the global step and starts the period under way afresh where the replicas were apart."""
+        if "done" not in state:  # saved before the clock was a part, or by a run without replicas
+            state = self._fixed_position(state["step"])
+        n, saved = self.replicas, state["replicas"]
+        self.syncs, self.exchange_loss = state["syncs"], state["exchange_loss"]
+        self.first_loss = state["first_loss"]
+        self.first_loss_shared = state["first_loss_shared"] or self.sum_over_replicas is None
+        taken = list(state["taken"])
+        held = state["held"]
+        if saved == n:
+            self.done, self.trained, self.step_times = state["done"], list(state["trained"]), list(state["step_times"])
+            fresh = len(held) != self.schedule.fragments
+            self.held = [[0] * n for _ in held] if fresh else [list(h) for h in held]
+        else:  # the global step stays; each replica's figures start afresh
+            step, together = (state["done"] + sum(taken)) // saved, len(set(taken)) == 1
+            common = taken[0] if together else 0
+            self.done, taken = (step - common) * n, [common] * n
+            self.trained, self.step_times = [step - common] * n, [None] * n
+            self.held = [[0] * n for _ in range(self.schedule.fragments)]
+        if len(self.held) != self.schedule.fragments:
+            self.held = [[0] * n for _ in range(self.schedule.fragments)]
+        if state["step"] < self.schedule.warmup:  # synchronous from here (averager=none; a warmup not over yet)
+            self.done, taken = state["step"] * n, [0] * n
+        self.taken, self.tick, self.loaded = taken[self.replica], None, taken
+        self._replan(positions=taken)
+        # from the step it was saved or sent at (a heal before an exchange: the sender's, at its own point of the
+        # period), which the learning-rate schedule and the data position it came with also stand at
+        self.anchor = (self.taken, state["step"])
+        self.step = self._step_at(self.taken)
+        partway = self.plan is not None and 0 < self.taken < self.plan[self.replica]
+        self.met = self.done // n if self.balances and partway else self.step
+        self.started, self.timer_due = None, self.taken == 0  # at a period's start its timer starts with it
+
+    def _fixed_position(self, step: int) -> dict:
+        """The inputs of a run that took the schedule's fixed periods up to `step` (a checkpoint saved before
+        the clock was a part: its measurements start afresh)."""
+        n, warmup, first = self.replicas, self.schedule.warmup, self.schedule.first
+        syncs, start = 0, min(step, warmup)
+        if step - warmup >= first:
+            exchanges = (step - warmup - first) // self.stride
+            syncs, start = 1 + exchanges, warmup + first + exchanges * self.stride
+        return {
+            "replicas": n,
+            "done": start * n,
+            "taken": [step - start] * n,
+            "syncs": syncs,
+            "trained": [start] * n,
+            "held": [[0] * n for _ in range(self.schedule.fragments)],
+            "step_times": [None] * n,
+            "first_loss": None,
+            "first_loss_shared": False,
+            "exchange_loss": None,
+        }
