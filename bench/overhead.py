@@ -18,6 +18,10 @@ default here, as on CUDA), batches and process count:
   same plain module: both overlap their gradient all-reduces with backward, in
   buckets of the same size (the hand-written loop all-reduces its buckets
   after backward).
+- with `--balance-time` (2 or more one-device replicas), also the harness with
+  post-local SGD and `averager.balance=time` on equal replicas: the aten ops and
+  host syncs of its steps between two exchanges (target: 0 host syncs; the
+  replicas meet, and the host waits, only at exchanges).
 
 How: the real Hydra config is composed (averager=none, wandb disabled, fp32
 params and reductions) and `--nproc` ranks are started with the harness's own
@@ -35,6 +39,7 @@ same work.
                              [--model gpt|mlp] [--strategy full_shard] [hydra overrides ...]
     python bench/overhead.py --nproc 1        # one device: the plain module against a plain loop
     python bench/overhead.py --strategy no_shard   # 2 synchronous one-device replicas: + against DDP
+    python bench/overhead.py --strategy no_shard --balance-time  # + post-local SGD, balance=time, between exchanges
     python bench/overhead.py --smoke   # 2 one-device replicas (every path but FSDP2 by hand), mlp, 2 rounds x 2 steps
 """
 
@@ -61,7 +66,7 @@ from harness.profiling import DispatchCounter
 
 TARGET, OPS_TARGET = 1.03, 1.05
 SMOKE = ["--nproc", "2", "--strategy", "no_shard", "--rounds", "2", "--steps-per-round", "2", "--count-steps", "2"]
-SMOKE += ["--model", "mlp"]
+SMOKE += ["--model", "mlp", "--balance-time"]
 
 
 def compose_config(args: argparse.Namespace) -> DictConfig:
@@ -91,8 +96,27 @@ def count_dispatch(steps, n: int) -> tuple[float, float]:
     return counter.total / n, counter.host_syncs / n
 
 
+def balanced(cfg: DictConfig, count_steps: int) -> DictConfig:
+    """`cfg` with post-local SGD whose replicas take their own local steps (balance=time), a period past
+    every step it trains after the first exchange (periodic: after the first step), so the counted ones are
+    between two exchanges."""
+    period = 2 + count_steps + 1
+    with open_dict(cfg):
+        cfg.averager = compose(["averager=periodic", f"averager.period={period}", "averager.warmup_steps=0"]).averager
+        cfg.averager.balance = "time"
+        cfg.train.steps = 2 + count_steps + 1
+    return cfg
+
+
 def worker(
-    cfg: DictConfig, run_dir: Path, plan: RunPlan, rounds: int, steps_per_round: int, count_steps: int, command: str
+    cfg: DictConfig,
+    run_dir: Path,
+    plan: RunPlan,
+    rounds: int,
+    steps_per_round: int,
+    count_steps: int,
+    command: str,
+    balance: tuple[DictConfig, RunPlan] | None,
 ) -> None:
     """One rank: the harness path and the hand-written ones side by side, in rotating rounds."""
     with rank_env(cfg, run_dir) as env:  # the harness logs as under train.py: stdout + train.log on rank 0
@@ -142,6 +166,15 @@ def worker(
                 diff = torch.maximum(diff, (local_view(hp) - local_view(mp)).abs().max().cpu())
             dist.all_reduce(diff, op=dist.ReduceOp.MAX)
             diffs[name] = diff.item()
+
+        if balance is not None:  # past the first exchange, then steps of a period
+            balanced_cfg, balanced_plan = balance
+            job = build_job(balanced_cfg, env, balanced_plan)
+            (run_dir / "balanced").mkdir(exist_ok=True)
+            with Trainer(job, balanced_cfg, env, run_dir / "balanced") as trainer:
+                trainer.run(until=2)
+                counts["harness, balance=time"] = count_dispatch(lambda n: trainer.run(until=2 + n), count_steps)
+                trainer.run()
 
         if env.is_main:
             reference = "plain-module loop" if one_device else "minimal FSDP2 loop"
@@ -202,6 +235,12 @@ def report(cfg, env, job, times, orders, steps_per_round, command, diffs, counts
     ops_verdict = "ok" if h_ops / m_ops <= OPS_TARGET else "ABOVE TARGET"
     print(f"ops: harness/minimal = {h_ops / m_ops:.3f} (target <= {OPS_TARGET}) {ops_verdict}")
     print(f"host syncs per step that does not log: harness {h_syncs:g} (target 0) {'ok' if h_syncs == 0 else 'ABOVE'}")
+    if "harness, balance=time" in counts:
+        ops, syncs = counts["harness, balance=time"]
+        print(
+            f"balance=time, equal replicas, steps between exchanges: {ops:.0f} aten ops, {syncs:g} host syncs "
+            f"(target 0) {'ok' if syncs == 0 else 'ABOVE'}"
+        )
 
 
 def main() -> None:
@@ -212,6 +251,9 @@ def main() -> None:
     parser.add_argument("--count-steps", type=int, default=5, help="steps whose dispatched ops are counted")
     parser.add_argument("--model", choices=("gpt", "mlp"), default="gpt")
     parser.add_argument("--strategy", choices=FSDP2_STRATEGIES, default="full_shard")
+    parser.add_argument(
+        "--balance-time", action="store_true", help="also count post-local SGD with balance=time between exchanges"
+    )
     parser.add_argument("--smoke", action="store_true", help=f"{SMOKE_HELP}: {' '.join(SMOKE)}")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides, e.g. train.batch_size=16")
     args = parser.parse_args()
@@ -224,7 +266,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="harness-bench-") as tmp:
         run_dir = Path(tmp)
         plan = check(cfg, args.nproc, run_dir)
-        launch(cfg, run_dir, plan, worker, args.rounds, args.steps_per_round, args.count_steps, command)
+        balance = None
+        if args.balance_time:
+            balanced_cfg = balanced(cfg.copy(), args.count_steps)
+            balance = balanced_cfg, check(balanced_cfg, args.nproc, run_dir / "balanced")
+        counts = (args.rounds, args.steps_per_round, args.count_steps)
+        launch(cfg, run_dir, plan, worker, *counts, command, balance)
     print("bench/overhead.py: done")
 
 

@@ -466,7 +466,7 @@ def test_a_resume_honours_more_steps_a_new_period_and_another_replica_count(tmp_
     keys += ["checkpoint=full", "checkpoint.interval=5", "train.log_every=4"]
     slow4, slow2 = "0:0.04s,1:0.04s,2:0.04s,3:0.3s", "0:0.04s,1:0.3s"
     adacomm = [*two, "averager=periodic", "averager.period=8", "averager.warmup_steps=4", "checkpoint=full"]
-    adacomm += ["averager.period_schedule=adacomm", "checkpoint.interval=3", "train.steps=16"]
+    adacomm += ["averager.period_schedule=adacomm", "checkpoint.interval=3", "checkpoint.keep=10", "train.steps=16"]
 
     def run(name, overrides, slowdown="", resume=None, pick="last"):
         return {
