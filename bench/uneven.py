@@ -25,6 +25,10 @@ replicas every `--period`/4 steps and all 4 every `--period`
 (`averager=hierarchical`; under `balance=time` the pairs meet at points of each
 replica's planned period).
 
+Part `torchft`: part uneven with each replica a replica group of its own
+(`fault_tolerance=torchft`: a lighthouse, the groups' Managers, a quorum before
+each exchange), group 3 slowed; the figures are group 0's rows.
+
 Part `equal`: the same 4 replicas, none slowed: `balance=time` and
 `balance=steps` end with the same parameters and optimizer state, bit for bit
 (the final checkpoints compared tensor by tensor), and every period was
@@ -38,8 +42,8 @@ each run's trace interpolated linearly), target adacomm at or below the best
 fixed period's; and the period AdaComm chose over time (`--plot` draws loss
 against wall time and the period into a PNG).
 
-    python bench/uneven.py [--part uneven,hierarchy,equal,adacomm] [--steps 160] [--period 8] [--factor 2] [--rounds 3]
-                           [--adacomm-steps 256] [--periods 1,4,16,32] [--adacomm-period 32]
+    python bench/uneven.py [--part uneven,hierarchy,torchft,equal,adacomm] [--steps 160] [--period 8] [--factor 2]
+                           [--rounds 3] [--adacomm-steps 256] [--periods 1,4,16,32] [--adacomm-period 32]
                            [--eval-every 16] [--rate 100mbit] [--loopback] [--plot uneven.png]
                            [hydra overrides for every run ...]
     python bench/uneven.py --smoke   # every part, a 1-block GPT, a few steps, over loopback
@@ -142,6 +146,8 @@ def train(label: str, overrides: list[str], workdir: Path, link: Link | None = N
             procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT))
     wait_all(procs, logs, RUN_TIMEOUT_S * 4)
     metrics = run_dir / "metrics.jsonl"
+    if (run_dir / "replica_group_0").is_dir():  # fault_tolerance=torchft: each group logs its own rows
+        metrics = run_dir / "replica_group_0" / "metrics.jsonl"
     if not metrics.exists():
         raise RunFailed(f"{label}: no {metrics}")
     return Run(label, [json.loads(line) for line in metrics.read_text().splitlines()], run_dir)
@@ -179,6 +185,8 @@ def hierarchy(args: argparse.Namespace) -> list[str]:
 def part_uneven(args: argparse.Namespace, workdir: Path, part: str = "uneven") -> None:
     slow = 3  # the last of the 4 replicas
     keys = hierarchy(args) if part == "hierarchy" else periodic(args)
+    if part == "torchft":
+        keys = [*keys, "fault_tolerance=torchft"]
     print(f"\n== part {part}: 4 replicas, replica {slow} {args.factor}x slower, {' '.join(keys)}, ", end="")
     print(f"{args.steps} steps, {args.rounds} rounds")
     rows, ratios, gaps = [], [], []
@@ -316,12 +324,14 @@ def plot(runs: list[Run], adacomm: Run, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parts = ("uneven", "hierarchy", "equal", "adacomm")
+    parts = ("uneven", "hierarchy", "torchft", "equal", "adacomm")
     parser.add_argument("--part", type=lambda s: s.split(","), default=list(parts), help=",".join(parts))
-    parser.add_argument("--steps", type=int, default=160, help="parts uneven, hierarchy and equal")
+    parser.add_argument("--steps", type=int, default=160, help="parts uneven, hierarchy, torchft and equal")
     parser.add_argument("--period", type=int, default=8, help="parts uneven, hierarchy (the largest) and equal")
     parser.add_argument("--factor", type=float, default=2.0, help="how much slower the slow replica is")
-    parser.add_argument("--rounds", type=int, default=3, help="parts uneven and hierarchy: pairs of runs, medians")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="parts uneven, hierarchy and torchft: pairs of runs, medians"
+    )
     parser.add_argument("--warmup", type=int, default=4, help="synchronous steps before local training")
     parser.add_argument("--adacomm-steps", type=int, default=256)
     parser.add_argument("--periods", type=lambda s: [int(p) for p in s.split(",")], default=[1, 4, 16, 32])
@@ -358,6 +368,8 @@ def main() -> None:
             part_uneven(args, workdir)
         if "hierarchy" in args.part:
             part_uneven(args, workdir, "hierarchy")
+        if "torchft" in args.part:
+            part_uneven(args, workdir, "torchft")
         if "equal" in args.part:
             part_equal(args, workdir)
         if "adacomm" in args.part:

@@ -194,13 +194,18 @@ def test_the_rows_cover_every_pair_and_each_is_refused_or_runs():
 
 
 def check_row(runs: Path, row: dict, tmp_path: Path, groups: list[str]) -> None:
-    """A's and B's last checkpoints are equal bit for bit; C trained on to the new end and saved there."""
+    """A's and B's last checkpoints are equal bit for bit; C trained on to the new end and saved there;
+    with balance=time the slowed replica was planned fewer local steps than the others once measured."""
     for group in groups:  # "" for one world; each replica group's outputs under fault tolerance
         a, b, c = (runs / phase / group for phase in "abc")
         end = f"checkpoints/step_{STEPS}"
         assert_bitwise_equal(saved_state(a / end, tmp_path), saved_state(b / end, tmp_path))
         assert (c / "checkpoints" / f"step_{STEPS + MORE}" / "meta.json").is_file(), name(row)
         assert read_metrics(c)[-1]["step"] == STEPS + MORE
+    if row["balance"] == "time":
+        slow = LAYOUTS[row["layout"]][1] - 1
+        planned = [r for r in read_metrics(runs / "a" / groups[0]) if f"replica/local_steps/{slow}" in r]
+        assert any(r[f"replica/local_steps/{slow}"] < r["replica/local_steps/0"] for r in planned), name(row)
 
 
 def phases(row: dict, runs: Path) -> list[dict]:
