@@ -204,7 +204,8 @@ def check_row(runs: Path, row: dict, tmp_path: Path, groups: list[str]) -> None:
         assert read_metrics(c)[-1]["step"] == STEPS + MORE
     if row["balance"] == "time":
         slow = LAYOUTS[row["layout"]][1] - 1
-        planned = [r for r in read_metrics(runs / "a" / groups[0]) if f"replica/local_steps/{slow}" in r]
+        rows = [r for phase in "ac" for r in read_metrics(runs / phase / groups[0])]
+        planned = [r for r in rows if f"replica/local_steps/{slow}" in r]
         assert any(r[f"replica/local_steps/{slow}"] < r["replica/local_steps/0"] for r in planned), name(row)
 
 
