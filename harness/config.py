@@ -89,7 +89,7 @@ class CommDType(Choice):
 
 class Balance(Choice):
     steps = "steps"  # every replica takes `averager.period` local steps between exchanges
-    time = "time"  # each takes as many as it can in the fastest replica's `period` steps (harness/averaging/pace.py)
+    time = "time"  # each takes as many as it can in the fastest replica's `period` steps (harness/clock)
 
 
 class PeriodSchedule(Choice):
@@ -368,7 +368,7 @@ class StepLRConf:
 
 @dataclass
 class PaceConf:
-    """How many local steps each replica takes between exchanges (`harness/averaging/pace.py`)."""
+    """How many local steps each replica takes between exchanges (the run's clock plans them: `harness/clock`)."""
 
     balance: Balance = Balance.steps  # time: local steps balanced by each replica's measured speed
     period_schedule: PeriodSchedule = PeriodSchedule.fixed  # adacomm: the period follows the training loss

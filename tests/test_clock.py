@@ -186,6 +186,22 @@ def test_a_resume_derives_the_plan_again_exactly_or_for_the_run_it_is_in(name):
             check_run(runs_after, steps, first_slot=first)
 
 
+def test_a_resume_plans_with_the_config_it_runs_with():
+    """The checkpoint holds the plan's inputs, not the plan: AdaComm's period from the saved losses (F = F0 / 4:
+    half of 8) is 8 again with adacomm switched off; a new period and new hierarchical levels plan the periods
+    after the checkpoint (before: the checkpoint's plan stayed)."""
+    state = {**inputs(4, 11, [None] * 4), "first_loss": 4.0, "exchange_loss": 1.0}
+    adacomm = Schedule(warmup=2, period=8, first=1, period_schedule="adacomm")
+    assert clocks(adacomm, 100, 4, state)[0].plan == [4] * 4
+    assert clocks(Schedule(warmup=2, period=8, first=1), 100, 4, state)[0].plan == [8] * 4
+    assert clocks(Schedule(warmup=2, period=6, first=1), 100, 4, state)[0].plan == [6] * 4
+    met = {}
+    for every in (2, 4):  # pairs of replicas meet every 2 steps, or every 4; all 4 every 8
+        schedule = Schedule(warmup=2, period=8, first=1, levels=((every, 2), (8, 4)))
+        met[every] = [t.before for t in walk(clocks(schedule, 27, 4, state)[0]) if t.level is not None]
+    assert met == {2: [12, 14, 16, 20, 22, 24], 4: [12, 16, 20, 24]}
+
+
 def test_diloco_delay_with_a_replica_planned_fewer_steps_than_it():
     """sync_delay 2 of a period of 4; replica 1 takes 1 step a period: its delay is 0, so the sync started at
     the exchange is applied before its one step (which its next pseudo-gradient then holds: none discarded),

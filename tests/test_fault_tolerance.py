@@ -96,16 +96,23 @@ def parent(pid: str | int) -> str:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
 
 
-def wait_for_step(rows_file: Path, step: int, proc: subprocess.Popen, timeout: float) -> None:
-    """Until a row at `step` or later (averager.balance=time logs only where the replicas meet)."""
+def wait_for_step(rows_file: Path, step: int, proc: subprocess.Popen, timeout: float, uneven: bool = False) -> None:
+    """Until a row at `step` or later (averager.balance=time logs only where the replicas meet); with
+    `uneven`, an exchange's row at which group 1 took fewer local steps than group 0."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         lines = rows_file.read_text().splitlines() if rows_file.exists() else []
-        if any(json.loads(line)["step"] >= step for line in lines if line.endswith("}")):
+        rows = [json.loads(line) for line in lines if line.endswith("}")]
+        if any(row["step"] >= step and (not uneven or is_uneven(row)) for row in rows):
             return
         assert proc.poll() is None, f"the run ended before step {step}:\n{proc.communicate()[1][-3000:]}"
         time.sleep(0.2)
-    raise AssertionError(f"no step {step} in {rows_file} within {timeout} s")
+    raise AssertionError(f"no step {step}{' of uneven plans' * uneven} in {rows_file} within {timeout} s")
+
+
+def is_uneven(row: dict) -> bool:
+    """An exchange at which group 1 took fewer local steps than group 0 (balance=time planned them so)."""
+    return row.get("replica/local_steps/1", 0) < row.get("replica/local_steps/0", 0)
 
 
 def wait_for_a_save(checkpoints: Path, proc: subprocess.Popen, timeout: float) -> None:
@@ -163,7 +170,10 @@ def test_a_killed_replica_group_heals_while_the_other_trains_on(tmp_path, averag
     its quorum and heal): group 0 never stops or redoes a step (one row per step, no resume, no
     long wait); group 1 alone is restarted, heals from group 0 at a quorum and then holds bit
     for bit the state group 0 sent; both finish, in one run that exits 0. Synchronous groups
-    (averager=none) log every step and end on one model, bit for bit."""
+    (averager=none) log every step and end on one model, bit for bit. With balance=time group 1 is
+    several times slower, and the kill falls once the groups' plans differ (group 1 planned fewer local
+    steps: before, a group's step time held its wait in the quorum, and plans stayed equal); the restarted
+    group is healed into a period of uneven plans, and they are uneven again after it."""
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, str(TRAIN), *FT, *AVERAGERS[averager], f"hydra.run.dir={run_dir}"],
@@ -179,7 +189,8 @@ def test_a_killed_replica_group_heals_while_the_other_trains_on(tmp_path, averag
         text=True,
     )
     try:
-        wait_for_step(run_dir / "replica_group_1" / "metrics.jsonl", 12, proc, timeout=240)
+        balanced = averager.endswith("_balanced")
+        wait_for_step(run_dir / "replica_group_1" / "metrics.jsonl", 12, proc, timeout=240, uneven=balanced)
         if averager == "streaming_diloco":
             wait_for_a_save(run_dir / "replica_group_1" / "checkpoints", proc, timeout=30)
         victims = group_ranks(1, tmp_path)
@@ -216,6 +227,9 @@ def test_a_killed_replica_group_heals_while_the_other_trains_on(tmp_path, averag
     healed = read_metrics(run_dir / "replica_group_1")
     assert healed[-1]["ft/heals"] >= 1 and healed[-1]["step"] == 120
     assert any("ft/heal_s" in row for row in healed)
+    if balanced:
+        heal = min(row["step"] for row in healed if "ft/heal_s" in row)
+        assert any(is_uneven(row) and row["step"] > heal for row in survivor), "plans equal after the heal"
 
     for group in (0, 1):  # a save cut short is never taken for a checkpoint
         saved = run_dir / f"replica_group_{group}" / "checkpoints"
@@ -506,7 +520,8 @@ def test_a_run_whose_exchanges_never_commit_fails_naming_the_cause(tmp_path, fai
       time out too);
     - short run: the same in a run of 3 exchanges, fewer than max_failed_exchanges=5, so that bound never
       stops it: the run fails at its end (it exited 0 with the groups never averaged; a group may be
-      restarted first when should_commit's own request times out);
+      restarted first when should_commit's own request times out, and min_replicas=2 keeps the other from
+      committing alone meanwhile: under load it did, and finished);
     - quorums: the lighthouse wants more groups than there are (its own --min_replicas), so no quorum
       forms; each group asks again, and stops after fault_tolerance.max_failed_exchanges in a row;
     - lighthouse: SIGKILLed at step 10, as when its machine dies; the first failed quorum finds it gone."""
@@ -519,6 +534,8 @@ def test_a_run_whose_exchanges_never_commit_fails_naming_the_cause(tmp_path, fai
         named = ["1 exchange in a row across replica groups did not commit", "fault_tolerance.timeout_s=0.001 s"]
     elif failing == "short run":
         args += ["train.steps=6", "averager.warmup_steps=0", "averager.period=2", "fault_tolerance.timeout_s=0.001"]
+        # a group left alone while the other restarts would commit its own exchanges: it waits for it instead
+        args.append("fault_tolerance.min_replicas=2")
         proc = run_train(args, tmp_path / "run", base_env(tmp_path), tmp_path)
         named = ["fault_tolerance: the run ended, and none of its", "fault_tolerance.timeout_s=0.001 s"]
     else:

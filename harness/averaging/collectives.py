@@ -22,7 +22,7 @@ def average_local_shards(
 ) -> tuple[float, int, float | None]:
     """Average the local shards of `params` (tensors or param groups) over `group`, in place;
     with `scale`, each member's shards are scaled by its own `scale` first (a weighted mean:
-    `Pace.weights`).
+    `Clock.exchange`).
 
     Returns (seconds, bytes sent, drift), where drift is how far the members
     had drifted apart just before: sqrt(sum ||x_r - mean||^2 / sum ||mean||^2)

@@ -27,7 +27,7 @@ def periodic_errors(cfg: DictConfig, replicas: int) -> list[str]:
 
 
 def varies(avg: DictConfig) -> str | None:
-    """The override that makes local steps vary between replicas or periods (a `Pace`), or None."""
+    """The override that makes local steps vary between replicas or periods (the clock plans them), or None."""
     if str(avg.get("balance", "steps")) != "steps":
         return f"averager.balance={avg.balance}"
     if str(avg.get("period_schedule", "fixed")) != "fixed":
@@ -36,7 +36,7 @@ def varies(avg: DictConfig) -> str | None:
 
 
 def pace_errors(cfg: DictConfig) -> list[str]:
-    """`averager.balance`, `averager.period_schedule` and `averager.min_period` (harness/averaging/pace.py)."""
+    """`averager.balance`, `averager.period_schedule` and `averager.min_period` (harness/clock)."""
     avg, errors = cfg.averager, []
     if avg.get("min_period", 1) < 1:
         errors.append(
@@ -74,7 +74,7 @@ def pace_errors(cfg: DictConfig) -> list[str]:
 
 
 def _hierarchical_pace_errors(avg: DictConfig) -> list[str]:
-    """A Pace plans hierarchical averaging's largest period; the smaller levels meet at points of it."""
+    """The clock plans hierarchical averaging's largest period; the smaller levels meet at points of it."""
     errors = []
     if str(avg.get("period_schedule", "fixed")) != "fixed":
         errors.append(

@@ -359,9 +359,12 @@ class OuterState:
 
     def finish_sync(self, sync: SyncInFlight, mix: float) -> torch.Tensor | None:
         """Apply `sync`; returns the metric sums (`apply_outer_step`), or None when the
-        link did not commit it (fault tolerance: a replica was lost on the way)."""
+        link did not commit it (fault tolerance: a replica was lost on the way). A sync
+        resumed from a checkpoint (its mean saved complete: no `deltas`) is not voted on
+        again: the run that saved it averaged it, and this process may not have opened a
+        quorum yet (a replica group joins at its first step that crosses replicas)."""
         sync.wait()
-        if not self.link.commit():
+        if sync.deltas is not None and not self.link.commit():
             return None
         local = [local_view(self.params[i]) for i in sync.indices]
         outer = [self.tensors[i] for i in sync.indices]

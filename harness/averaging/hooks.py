@@ -45,14 +45,14 @@ def sync_gradients_during_warmup(
         replicas, own = mesh.get_group("replicate"), mesh.get_group("shard")
 
         def ddp_hook(_, bucket):  # unannotated: DDP rejects string annotations (__future__)
-            if clock.tick.synchronous:
+            if clock.synchronous:
                 traffic.add_grad(bucket.buffer())
                 return default_hooks.allreduce_hook(replicas, bucket)
             return default_hooks.allreduce_hook(own, bucket)  # post_localSGD_hook's subgroup: the replica's ranks
 
         model.register_comm_hook(None, ddp_hook)
         return
-    reduce_over_replicas(model, reduction, averager.link, traffic, active=lambda: clock.tick.synchronous)
+    reduce_over_replicas(model, reduction, averager.link, traffic, active=lambda: clock.synchronous)
 
 
 def start_mean_over_replicas(gradient: torch.Tensor, link: ReplicaLink, traffic: CrossReplicaTraffic) -> MeanInFlight:

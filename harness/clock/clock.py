@@ -181,6 +181,12 @@ class Clock:
         before = sum(min(k, taken) for k in self.plan)
         return self.done + before + sum(k > taken for k in self.plan[: self.replica])
 
+    @property
+    def synchronous(self) -> bool:
+        """The gradients of the step being taken cross replicas (between steps, as a bench's backward outside
+        the loop: the next step's)."""
+        return self.tick.synchronous if self.tick is not None else self.warming
+
     def slot(self) -> int:
         """The slot the step being taken reads (between steps, as a bench reads a batch outside the loop:
         the next step's)."""

@@ -22,6 +22,7 @@ from harness.checkpoint.checkpointer import tensor_state
 from harness.checkpoint.replicas import inner_optimizer
 from harness.clock import Tick
 from harness.dist import local_view
+from harness.fault_tolerance.config_rules import join_timeout_s
 from harness.fault_tolerance.link import QuorumFailed, TorchftLink
 from harness.fault_tolerance.outputs import FINISHED, PeersFinished, finished_peer
 from harness.rng import seed_rank
@@ -43,6 +44,7 @@ class ReplicaGroup:
         self.trainer, self.link, self.replica_id = trainer, link, replica_id
         self.shard, self.seed, self.outputs = shard, seed, outputs
         self.alone_after_s = ft.quorum_timeout_s
+        self.late_after_s = join_timeout_s(ft, trainer.clock.replicas)
         self.restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0  # the launcher's and torchrun's
         self.heals, self.heals_sent, self.skipped_steps, self.replicas, self.joined = 0, 0, 0, None, False
         self.looked = False  # a restarted group looked for peers that finished the run
@@ -123,19 +125,25 @@ class ReplicaGroup:
         self.row[metrics.FT_QUORUM_TIME] = self.row.get(metrics.FT_QUORUM_TIME, 0.0) + time.perf_counter() - start
 
     def _join(self, tick: Tick) -> None:
-        """A group's first quorum, at its (re)start: repeated until it holds another group (then a
-        group that is behind has been healed), or `fault_tolerance.quorum_timeout_s` has passed with none. The
-        lighthouse gives a lone asker a quorum of its own once the others' wait is over, or at
-        once while no other group's Manager is up; a group that took that would train on alone,
+        """A group's first quorum, at its (re)start: repeated until it holds every group of the run, or
+        another group once the lighthouse's wait for late groups (`join_timeout_s`) is over (then a
+        group that is behind has been healed), or `fault_tolerance.quorum_timeout_s` has passed with none.
+        The lighthouse gives a lone asker a quorum of its own once the others' wait is over, or at
+        once while no other group's Manager is up, and gives the first groups to ask a quorum of their
+        own while the others' Managers are not up yet; a group that took that would train on apart,
         out of step with its peers, and hold up their quorums. Groups started together meet here,
         and a restarted group waits here for its peers' next quorum, unless they have finished."""
-        deadline = time.monotonic() + self.alone_after_s
+        began = time.monotonic()
         while True:
             if self.restarted:
                 self._stop_if_a_peer_finished()
             heals = self.heals
             self.link.begin(tick.step)
-            if self.link.size() > 1 or self.heals > heals or time.monotonic() > deadline:
+            waited = time.monotonic() - began
+            together = self.link.size() == self.trainer.clock.replicas
+            if together or (self.link.size() > 1 and waited > self.late_after_s) or self.heals > heals:
+                return
+            if waited > self.alone_after_s:
                 return
             time.sleep(0.2)
 
