@@ -64,12 +64,14 @@ CHECKPOINTS = {
     "sharded": ["checkpoint=sharded"],
     "async": ["checkpoint=sharded", "checkpoint.async=true"],
 }
-COMMON = ["model=mlp", "train.batch_size=4", "train.seq_len=16", "train.log_every=4", "checkpoint.interval=5"]
+COMMON = ["model=mlp", "train.batch_size=4", "train.seq_len=16", "train.log_every=4", "checkpoint.interval=6"]
 COMMON += ["checkpoint.keep=10"]
 STEPS, MORE = 16, 8
-# the last replica slowed: its steps padded to 0.5 s, the others' to 0.06 s (more than their compute on a loaded
-# host), so it is planned 1 step of 4 at every measured exchange, the others 4, on every run alike
-FAST_S, SLOW_S = 0.06, 0.5
+# the last replica slowed: its steps padded to 0.5 s, the others' to 0.1 s (more than their compute on a loaded
+# host, so they stay within the dead band of each other), so it is planned 1 step of 4 at every measured
+# exchange (round(4 x 0.1 / 0.5) = 1; still 1 while the others' steps take up to 0.18 s), the others 4, on
+# every run alike: a resume's plans are the uninterrupted run's
+FAST_S, SLOW_S = 0.1, 0.5
 
 
 def refusals(row: dict) -> list[str]:
