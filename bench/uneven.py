@@ -75,7 +75,9 @@ FOUR = ["launcher.nproc=4", "sharding=no_shard"]
 TWO_BY_TWO = ["sharding=hybrid_shard", "sharding.replicate=2"]
 SMOKE_HELP = "the smallest run through every path of this bench, on CPU, in seconds (tests/test_bench.py)"
 SMOKE = "--steps 8 --period 2 --warmup 2 --adacomm-steps 8 --periods 2 --adacomm-period 4 --eval-every 4".split()
-SMOKE += ["--rounds", "1", "--loopback"]
+# every part but torchft, whose runs are part uneven's with the replica groups' keys (bench/matrix.py's smoke
+# runs replica groups through this machinery's launches)
+SMOKE += ["--rounds", "1", "--loopback", "--part", "uneven,hierarchy,equal,adacomm"]
 SMOKE_OVERRIDES = "model.n_layer=1 model.d_model=32 train.batch_size=2 train.seq_len=32 data.max_bytes=1000000".split()
 TIME_TARGET, LOSS_TARGET = 0.7, 0.01
 

@@ -164,7 +164,8 @@ class Trainer:
             loss, grad_norm = self._forward_backward(tick)
             clock.computed(loss)  # a period's step time ends here; its length may follow the loss (adacomm)
             finite = self.nonfinite.check(tick, loss, grad_norm)  # False: skipped by the host's check
-            self.checkpointer.wait_for_staging()  # an async save copies the parameters before they change
+            # an async save copies the parameters before they change; its wait is the save's, not the step's
+            clock.waited(self.checkpointer.wait_for_staging())
             if finite and (self.replica_group is None or self.replica_group.gradients_committed(tick)):
                 job.optimizer.step()  # with an averager: the local step, then what the clock says crosses replicas
             else:  # a skipped step still counts, as one skipped on the device does: what falls after it happens
@@ -200,7 +201,7 @@ class Trainer:
                 if micro_batches > 1:
                     micro_loss = micro_loss / micro_batches
                 if job.steps_in_backward:  # optimizer.in_backward: the parameters change during backward
-                    self.checkpointer.wait_for_staging()
+                    self.clock.waited(self.checkpointer.wait_for_staging())
                 self.nonfinite.backward(micro_loss)  # a non-finite loss makes the gradients NaN
             loss = micro_loss.detach() if loss is None else loss + micro_loss.detach()
         grad_norm = None if job.steps_in_backward else clip_grad_norm_(job.model.parameters(), self.cfg.grad_clip)

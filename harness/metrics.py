@@ -107,7 +107,9 @@ COMM_TOTAL_BYTES = Metric(
     "comm/cross_replica_bytes_total", "bytes", REPLICAS, "running total of this rank's cross-replica bytes"
 )
 AVERAGER_AVERAGED = Metric("averager/averaged", "", AVERAGING, "1 on steps that averaged (or synced), else 0")
-AVERAGER_STEP = Metric("averager/step", "step", AVERAGING, "the averager's own step counter")
+AVERAGER_STEP = Metric(
+    "averager/step", "step", AVERAGING, "rank 0's replica's local steps so far, warmup included (the run's clock)"
+)
 AVERAGER_DRIFT = Metric(
     "averager/drift",
     "",

@@ -69,6 +69,7 @@ def test_bench_smoke(script, tmp_path):
 BAD_ARGUMENTS = [
     ("gpu.py", ["--models", "gpt2"], ["--models gpt2: gpt2 is not one of this device's models", "Fix: --models gpt,"]),
     ("overhead.py", ["--nproc", "0"], ["argument --nproc: must be >= 1, got 0"]),  # it named launcher.nproc
+    ("matrix.py", ["--rows", "torchf"], ["--rows torchf: choose from one-world,torchft"]),
 ]
 
 

@@ -305,8 +305,8 @@ SMALL = [
 
 AVERAGERS = {  # their keys for a largest period of 8, their stride between exchanges, their replicas
     "periodic": (["averager=periodic", "averager.period=8"], 8, 2),
-    "diloco": (["averager=diloco", "averager.period=8"], 8, 2),
-    # Streaming DiLoCo's 2 fragments, each sync applied 2 local steps after it starts (its overlap)
+    # Streaming DiLoCo's 2 fragments, each sync applied 2 local steps after it starts (its overlap): DiLoCo's
+    # outer step with what a plain one leaves out
     "streaming": (
         ["averager=diloco", "averager.period=8", "averager.fragments=2", "averager.sync_delay=2"],
         4,
@@ -387,7 +387,7 @@ def test_a_slow_replica_takes_fewer_steps_and_a_resume_at_an_exchange_is_exact(a
     the slow one at their meetings; the wall time this saves is bench/uneven.py's to measure, not a test's on a
     loaded machine), the samples count what each trained, and the run is as long as `train.steps` says. A run
     resumed from its checkpoint at an exchange ends bit for bit where it ends (post-local SGD's, and every
-    layout's, in tests/test_matrix.py)."""
+    layout's, in bench/matrix.py)."""
     keys, fragments, slowdown, slow_steps, steps = SLOWED[averager]
     env = {**cli_env, "HARNESS_TEST_SLOWDOWN": slowdown}
     slow = slowdown.count(",")  # the last replica
@@ -421,7 +421,7 @@ def test_a_slow_replica_takes_fewer_steps_and_a_resume_at_an_exchange_is_exact(a
 
 
 NAN_AT = REPO / "tests" / "probes" / "nan_at.py"
-MATRIX_PROBE = REPO / "tests" / "probes" / "matrix_probe.py"
+RUNS_PROBE = REPO / "tests" / "probes" / "runs_probe.py"
 UNEVEN = [*layout(2), "optimizer=sgd", "optimizer.fused=true", "averager.balance=time", "train.steps=20"]
 
 
@@ -460,7 +460,7 @@ def test_uneven_replicas_with_a_fused_optimizer_stop_for_a_nan_anywhere_and_only
 @pytest.mark.slow
 def test_a_resume_honours_more_steps_a_new_period_and_another_replica_count(tmp_path, cli_env):
     """balance=time runs of 4 ranks, the last replica slowed, resumed from their last checkpoint with a
-    changed config (tests/probes/matrix_probe.py: every run a job on the same ranks): more train.steps train
+    changed config (tests/probes/runs_probe.py: every run a job on the same ranks): more train.steps train
     on to the new end and save there (before: the run trained forever at its old last step); a new
     averager.period plans the periods after it (before: the checkpoint's period stayed); 4 replicas resumed as
     2 (hybrid_shard 2 x 2) and 2 as 4 end at train.steps (before: 2 -> 4 failed with an IndexError in every
@@ -493,7 +493,7 @@ def test_a_resume_honours_more_steps_a_new_period_and_another_replica_count(tmp_
         run("adacomm_resumed", adacomm, resume="adacomm", pick=3),
     ]
     (tmp_path / "runs.json").write_text(json.dumps(runs))
-    check_ok(run_cli([str(tmp_path / "runs.json")], cli_env, tmp_path, ranks=4, script=MATRIX_PROBE, timeout=600))
+    check_ok(run_cli([str(tmp_path / "runs.json")], cli_env, tmp_path, ranks=4, script=RUNS_PROBE, timeout=600))
     for name in ("more_steps", "new_period", "as_two", "as_four"):
         rows = read_metrics(tmp_path / name)
         assert rows[-1]["step"] == 26 and "train/loss" in rows[-1], name

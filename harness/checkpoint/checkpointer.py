@@ -124,12 +124,16 @@ class Checkpointer:
             **written,
         }
 
-    def wait_for_staging(self) -> None:
-        """Before parameters change: the async save in flight has its own copy of them."""
-        if self.pending is not None and not self.pending.staged.done():
-            start = time.perf_counter()
-            self.pending.staged.result()
-            self.pending.staging_wait_s += time.perf_counter() - start
+    def wait_for_staging(self) -> float:
+        """Before parameters change: the async save in flight has its own copy of them. Returns the
+        seconds waited for it (the save's, not the step's: the run's clock leaves them out of step times)."""
+        if self.pending is None or self.pending.staged.done():
+            return 0.0
+        start = time.perf_counter()
+        self.pending.staged.result()
+        waited = time.perf_counter() - start
+        self.pending.staging_wait_s += waited
+        return waited
 
     def wait(self) -> dict:
         """Block until the save in flight (if any) is durable; its metrics."""

@@ -374,8 +374,9 @@ class Clock:
             self.arrived = time.time()
 
     def waited(self, seconds: float) -> None:
-        """Time this replica spent meeting within the period (a hierarchy's group, waits for a slower member
-        included; a quorum): step times leave it out, so a replica is planned by its own speed."""
+        """Time this replica spent on other things than its steps within the period (a hierarchy's group
+        meeting, waits for a slower member included; a quorum; an async save's staging): step times leave
+        it out, so a replica is planned by its own speed."""
         self.idle_s += seconds
 
     def exchange(self, carried: torch.Tensor | None = None) -> Exchange:

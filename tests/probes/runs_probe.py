@@ -1,11 +1,9 @@
 """Runs of one world size in turn on the same ranks, each a job built and trained with the harness's
 own calls (`build_job`, `Trainer`) after the checks a launch makes (`validate`, `preflight`), in a run
-dir of its own, resuming where it says: the combination matrix's three phases of each row
-(tests/test_matrix.py: the uninterrupted run, one resumed from a checkpoint inside it, its last checkpoint
-resumed with more steps) and the resumes with a changed config (tests/test_clock.py). The tests compare
-what they leave on disk.
+dir of its own, resuming where it says (tests/test_clock.py: runs resumed with a changed config, some
+with another replica count on the same ranks). The tests compare what they leave on disk.
 
-Usage: python tests/probes/local_ranks.py N tests/probes/matrix_probe.py RUNS.json
+Usage: python tests/probes/local_ranks.py N tests/probes/runs_probe.py RUNS.json
 RUNS.json: [{"dir", "overrides", "slowdown", "resume": null | {"run": DIR, "pick": "middle" | "last" | STEP}}, ...]
 """
 
