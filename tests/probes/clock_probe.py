@@ -33,7 +33,7 @@ def main(out: str) -> None:
     clock.load_state_dict(state)
     clock.started = time.perf_counter() - 0.4 * (rank + 1)  # 0.1 s a step on rank 0, 0.2 on rank 1
     assert clock.next().exchange == 0
-    clock.computed(torch.tensor(1.0 + 2 * rank))  # the replicas' mean: 2.0, so adacomm's period is ceil(sqrt(1/2) 4) = 3
+    clock.computed(torch.tensor(1.0 + 2 * rank))  # the replicas' mean: 2.0: adacomm's period ceil(sqrt(1/2) 4) = 3
     first = clock.exchange()
     clock.exchanged(committed=True)
     clock.applied(0)
@@ -41,7 +41,7 @@ def main(out: str) -> None:
     clock.advance()
     result = {"rank": rank, "plan": clock.plan, "period": clock._stride(), "step_times": clock.step_times, "row": row}
     result["first_scale"] = first.scale  # 4 and 4 steps: the plain mean
-    while (tick := clock.next()).exchange is None:  # rank 0 takes 3 steps, rank 1 two
+    while clock.next().exchange is None:  # rank 0 takes 3 steps, rank 1 two
         clock.computed(torch.tensor(1.0))
         clock.advance()
     clock.computed(torch.tensor(1.0))
