@@ -52,9 +52,11 @@ def test_the_rules_by_hand():
     assert level_meeting(4, planned, None, 4, sizes, 8) == (4, [4, 4, 4, 1])
     assert level_meeting(6, planned, None, 6, sizes, 8) == (2, [2, 1])
     assert level_meeting(2, planned, None, 6, sizes, 8) is None  # replica 7 took no step before the first point
-    # the run's last period, cut: a point some member of the group does not reach is skipped by its group
-    assert level_meeting(2, [8] * 4, [1, 2, 2, 2], 0, {2: 2, 8: 4}, 8) is None
-    assert level_meeting(2, [8] * 4, [1, 2, 2, 2], 2, {2: 2, 8: 4}, 8) == (2, [2, 2])
+    # the run's last period, cut: a point some member of the group does not train on after is skipped by its
+    # group (a member's last step is a meeting of every rank, which comes first)
+    assert level_meeting(2, [8] * 4, [1, 3, 3, 3], 0, {2: 2, 8: 4}, 8) is None
+    assert level_meeting(2, [8] * 4, [1, 3, 3, 3], 2, {2: 2, 8: 4}, 8) == (2, [2, 2])
+    assert level_meeting(2, [8] * 4, [1, 2, 2, 2], 2, {2: 2, 8: 4}, 8) is None
 
 
 SCHEDULES = {  # (schedule keys, replicas): post-local SGD, Streaming DiLoCo with a delay, a hierarchy
@@ -102,9 +104,12 @@ def walk(clock: Clock, states: dict | None = None) -> list[Tick]:
     return ticks
 
 
-def check_run(runs: list[list[Tick]], steps: int, first_slot: int = 0) -> None:
+def check_run(runs: list[list[Tick]], steps: int, first_slot: int = 0, levels: tuple = ()) -> None:
     """A run is well formed: each replica step of the run read once; every replica at the same exchanges
-    (at the same global step, the same fragment) and meetings (where log, eval and save fall); each
+    (at the same global step, the same fragment) and meetings (where log, eval and save fall), a delayed sync's
+    collectives in the same order among them on each; a hierarchy's
+    group (`levels`: (period, replicas per group)) meets as often between two exchanges on each member, each
+    time on ticks that are alike meetings of every rank or not (those collectives come first); each
     replica's global step never goes back and ends at `steps` on its last tick."""
     slots = sorted(t.slot for ticks in runs for t in ticks)
     assert slots == list(range(first_slot, first_slot + len(slots)))
@@ -112,10 +117,47 @@ def check_run(runs: list[list[Tick]], steps: int, first_slot: int = 0) -> None:
     assert len(exchanges) == 1, exchanges
     meetings = {tuple(t.step for t in ticks if t.meeting) for ticks in runs}
     assert len(meetings) == 1, meetings
+    if any(t.apply_after or t.advance or t.apply_before for ticks in runs for t in ticks):  # a delayed sync
+        assert all(collectives(ticks) == collectives(runs[0]) for ticks in runs), [collectives(t)[-6:] for t in runs]
+    for period, size in levels:
+        for first in range(0, len(runs), size):
+            met = [group_meetings(runs[r], period) for r in range(first, first + size)]
+            assert all(m == met[0] for m in met), (period, first, met)
     for ticks in runs:
         assert [t.step for t in ticks] == sorted(t.step for t in ticks) and ticks[-1].step == steps
         assert ticks[-1].last and not any(t.last for t in ticks[:-1])
         assert sum(t.lr_steps for t in ticks) == steps - ticks[0].before
+
+
+def collectives(ticks: list[Tick]) -> list[str]:
+    """What crosses every replica, in this replica's order: the meetings of every rank (the non-finite
+    check, log, save), the exchanges, and a DiLoCo sync in flight's one collective after its start (a narrow
+    comm_dtype's all-gather, at its halfway advance or its apply, whichever comes first). A sync whose apply
+    falls past a replica's end issues none there."""
+    out, in_flight = [], False
+    for t in ticks:
+        if t.apply_before and in_flight:  # before the step, so before its meeting
+            out.append("sync")
+            in_flight = False
+        if t.meeting:
+            out.append(f"meeting {t.step}")
+        if (t.apply_after or t.advance) and in_flight:
+            out.append("sync")
+            in_flight = False  # the apply after an advance issues nothing new
+        if t.exchange is not None:
+            out.append(f"exchange {t.exchange}")
+            in_flight = True
+    return out
+
+
+def group_meetings(ticks: list[Tick], period: int) -> list[tuple[int, bool]]:
+    """Where this replica's group of the level `period` meets: (exchanges before it, every rank meets there too)."""
+    out, exchanges = [], 0
+    for t in ticks:
+        if t.level is not None and t.level.period == period:
+            out.append((exchanges, t.meeting))
+        exchanges += t.exchange is not None
+    return out
 
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
@@ -132,7 +174,7 @@ def test_every_replica_reads_each_replica_step_once_and_meets_at_the_same_steps(
         runs = [
             walk(c) for c in clocks(schedule, steps, replicas, inputs(replicas, 9, speeds, keys.get("fragments", 1)))
         ]
-        check_run(runs, steps, first_slot=9 * replicas)
+        check_run(runs, steps, first_slot=9 * replicas, levels=schedule.levels)
         if times == "equal":
             assert all(
                 t.slot == t.before * replicas + r and t.step == t.before + 1 for r, ts in enumerate(runs) for t in ts
@@ -149,7 +191,7 @@ def test_fresh_runs_of_the_fixed_schedules_are_well_formed():
         for balance in ("steps", "time"):
             schedule = Schedule(balance=balance, **keys)
             runs = [walk(c) for c in clocks(schedule, 29, replicas)]
-            check_run(runs, 29)
+            check_run(runs, 29, levels=schedule.levels)
             assert [t.step for t in runs[0]] == list(range(1, 30)), name  # before any plan: in step
 
 
@@ -183,7 +225,7 @@ def test_a_resume_derives_the_plan_again_exactly_or_for_the_run_it_is_in(name):
                 continue
             runs_after = [walk(c) for c in clocks(changed, steps, count, state)]
             first = done if count == replicas else step * count
-            check_run(runs_after, steps, first_slot=first)
+            check_run(runs_after, steps, first_slot=first, levels=changed.levels)
 
 
 def test_a_resume_plans_with_the_config_it_runs_with():

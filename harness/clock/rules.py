@@ -79,7 +79,9 @@ def level_meeting(
     members of a group arrive together, and no group waits for another: the points come from the plan
     every replica holds. A point is held when each member of its level's group (`sizes`: period ->
     replicas per group, consecutive replicas) trained since the point before (a member still inside
-    a step would stall the others) and, in the run's last period, cut to `cut`, reaches it.
+    a step would stall the others) and, in the run's last period, cut to `cut`, trains on after it (a
+    member's last step is a meeting of every rank, whose collectives come first: a group meeting there
+    would wait for a partner waiting for every rank).
 
     After this replica's `taken`-th local step of the period: the level (its period) whose group meets,
     and each member's local steps since that group, or one above it, last met (the period's start: an
@@ -98,7 +100,7 @@ def level_meeting(
 
     def held(point: int) -> bool:
         return all(
-            reached(q, point) > reached(q, point - 1) and (cut is None or cut[q] >= reached(q, point))
+            reached(q, point) > reached(q, point - 1) and (cut is None or cut[q] > reached(q, point))
             for q in members(level(point))
         )
 
