@@ -133,7 +133,7 @@ class LauncherConf:
 @dataclass
 class DistConf:
     timeout_s: int = 600  # process-group timeout: a hung collective fails after this
-    threads_per_rank: Optional[int] = None  # CPU threads per rank; null = cores / local ranks
+    threads_per_rank: Optional[int] = None  # CPU threads per rank; null = cores / ranks on the machine (all groups')
 
 
 @dataclass

@@ -51,11 +51,12 @@ def run_rank(cfg: DictConfig, run_dir: Path, plan: RunPlan) -> None:
             link = TorchftLink(cfg.fault_tolerance, plan.replica_id, env.rank, env.world_size, env.device)
         job = build_job(cfg, env, plan, link)
         log.info(
-            "world %d, mesh %s, %s parameters, device %s",
+            "world %d, mesh %s, %s parameters, device %s%s",
             env.world_size,
             dict(zip(job.mesh.mesh_dim_names, job.mesh.shape)),
             f"{sum(p.numel() for p in job.model.parameters()):,}",
             env.device,
+            f", {torch.get_num_threads()} thread(s)" if env.device.type == "cpu" else "",
         )
         log.info("replicas: %s", describe_replicas(job.mesh, node_of_each_rank()))
         with Trainer(job, cfg, env, run_dir, resume_from, replica_group=plan.replica_id) as trainer:
