@@ -29,6 +29,15 @@ Part `torchft`: part uneven with each replica a replica group of its own
 (`fault_tolerance=torchft`: a lighthouse, the groups' Managers, a quorum before
 each exchange), group 3 slowed; the figures are group 0's rows.
 
+`--factor` alone scales the slow replica's own compute, which on a shared host
+grows and shrinks with the cores its peers leave it while they wait for it
+under `balance=steps`: the 4 replicas' `balance=steps` run took 50 s in one
+world (waiting in gloo's all-reduce) and 37 s as replica groups (waiting in
+torchft's quorum), the slow one's steps faster there, so the two parts' slow
+replicas are not equally slow. `--pad S` pads every replica's local steps to
+S s and the slow one's to factor x S: a device's speed whatever the host does
+(S above a step's compute under load).
+
 Part `equal`: the same 4 replicas, none slowed: `balance=time` and
 `balance=steps` end with the same parameters and optimizer state, bit for bit
 (the final checkpoints compared tensor by tensor), and every period was
@@ -43,7 +52,7 @@ fixed period's; and the period AdaComm chose over time (`--plot` draws loss
 against wall time and the period into a PNG).
 
     python bench/uneven.py [--part uneven,hierarchy,torchft,equal,adacomm] [--steps 160] [--period 8] [--factor 2]
-                           [--rounds 3] [--adacomm-steps 256] [--periods 1,4,16,32] [--adacomm-period 32]
+                           [--pad 0.2] [--rounds 3] [--adacomm-steps 256] [--periods 1,4,16,32] [--adacomm-period 32]
                            [--eval-every 16] [--rate 100mbit] [--loopback] [--plot uneven.png]
                            [hydra overrides for every run ...]
     python bench/uneven.py --smoke   # every part, a 1-block GPT, a few steps, over loopback
@@ -184,6 +193,14 @@ def hierarchy(args: argparse.Namespace) -> list[str]:
     return ["averager=hierarchical", f"averager.period_group_size=[{pairs},[{args.period},4]]"]
 
 
+def slowdown(args: argparse.Namespace, slow: int) -> str:
+    """HARNESS_TEST_SLOWDOWN: replica `slow` `--factor` times slower; with `--pad`, every replica's local steps
+    padded to a fixed time, the slow one's to `--factor` times it."""
+    if args.pad is None:
+        return f"{slow}:{args.factor}"
+    return ",".join(f"{r}:{args.pad * (args.factor if r == slow else 1):g}s" for r in range(4))
+
+
 def part_uneven(args: argparse.Namespace, workdir: Path, part: str = "uneven") -> None:
     slow = 3  # the last of the 4 replicas
     keys = hierarchy(args) if part == "hierarchy" else periodic(args)
@@ -198,7 +215,7 @@ def part_uneven(args: argparse.Namespace, workdir: Path, part: str = "uneven") -
                 f"{part} {balance} {round_}",
                 [*FOUR, *common(args, args.steps), *keys, f"averager.balance={balance}"],
                 workdir,
-                slow=f"{slow}:{args.factor}",
+                slow=slowdown(args, slow),
             )
             for balance in ("steps", "time")
         }
@@ -332,6 +349,14 @@ def main() -> None:
     parser.add_argument("--period", type=int, default=8, help="parts uneven, hierarchy (the largest) and equal")
     parser.add_argument("--factor", type=float, default=2.0, help="how much slower the slow replica is")
     parser.add_argument(
+        "--pad",
+        type=float,
+        default=None,
+        help="pad every replica's local steps to PAD s, the slow one's to factor x PAD: a device's speed whatever "
+        "CPU the others leave it (the factor alone scales the slow replica's own compute, which grows and shrinks "
+        "with the cores its peers leave it when they wait)",
+    )
+    parser.add_argument(
         "--rounds", type=int, default=3, help="parts uneven, hierarchy and torchft: pairs of runs, medians"
     )
     parser.add_argument("--warmup", type=int, default=4, help="synchronous steps before local training")
@@ -357,8 +382,8 @@ def main() -> None:
     unknown = set(args.part) - set(parts)
     if unknown:
         parser.error(f"--part {','.join(sorted(unknown))}: choose from {','.join(parts)}")
-    if args.factor <= 1 or min(args.periods) < 1 or args.adacomm_period < 2:
-        parser.error("need --factor > 1, --periods >= 1 and --adacomm-period >= 2")
+    if args.factor <= 1 or min(args.periods) < 1 or args.adacomm_period < 2 or (args.pad is not None and args.pad <= 0):
+        parser.error("need --factor > 1, --periods >= 1, --adacomm-period >= 2 and --pad > 0")
     rate_bits(args.rate)
     began = time.monotonic()
     print_load()
