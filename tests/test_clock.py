@@ -271,7 +271,7 @@ def test_diloco_delay_with_a_replica_planned_fewer_steps_than_it():
 @pytest.mark.slow
 def test_the_plan_and_the_weighted_means_through_real_collectives(tmp_path, cli_env):
     """2 ranks, a replica each (tests/probes/clock_probe.py): the figures each shares at an exchange give the
-    next plan (adacomm's period 3 from a mean loss of half the first; the replica twice as slow takes 2 of
+    next plan (adacomm's period 3 from a mean loss of half the first; the replica 1.5 times as slow takes 2 of
     them); a second exchange weighs each replica by the steps it took (3 of 1.0 and 2 of 3.0 average to 1.8,
     in fp32, bf16 on the wire and DiLoCo's pseudo-gradient mean), the first (equal) is the plain mean; the
     same exchange redone among one replica (a lone survivor) is its own tensors, unscaled."""
@@ -279,7 +279,7 @@ def test_the_plan_and_the_weighted_means_through_real_collectives(tmp_path, cli_
     check_ok(run_cli([str(out)], cli_env, tmp_path, ranks=2, script=PROBE))
     r = json.loads(out.read_text())
     assert r["period"] == 3 and r["plan"] == [3, 2]
-    assert r["step_times"] == pytest.approx([0.1, 0.2], rel=0.05)
+    assert r["step_times"] == pytest.approx([0.1, 0.15], rel=0.05)
     assert r["row"]["replica/local_steps/1"] == 4 and r["row"]["replica/samples/1"] == 8 * 8
     assert r["row"]["averager/period"] == 4  # the period in force up to the exchange
     assert r["first_scale"] is None and r["scale"] == pytest.approx([3 * 2 / 5, 2 * 2 / 5])

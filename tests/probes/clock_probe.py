@@ -31,7 +31,9 @@ def main(out: str) -> None:
     state = {"step": 7, "replicas": 2, "done": 8, "taken": [3, 3], "syncs": 1, "trained": [4, 4], "held": [[0, 0]]}
     state |= {"step_times": [None, None], "first_loss": 4.0, "first_loss_shared": True, "exchange_loss": None}
     clock.load_state_dict(state)
-    clock.started = time.perf_counter() - 0.4 * (rank + 1)  # 0.1 s a step on rank 0, 0.2 on rank 1
+    # 0.1 s a step on rank 0, 0.15 on rank 1: 2 of adacomm's 3 steps, far from round()'s boundary (at 0.2, 1.5
+    # steps, a loaded host's delay before `computed` tipped the plan to 1)
+    clock.started = time.perf_counter() - 0.4 * (1 + rank / 2)
     assert clock.next().exchange == 0
     clock.computed(torch.tensor(1.0 + 2 * rank))  # the replicas' mean: 2.0: adacomm's period ceil(sqrt(1/2) 4) = 3
     first = clock.exchange()
