@@ -222,11 +222,11 @@ class Clock:
     def delay(self, replica: int) -> int:
         """A replica's local steps from a DiLoCo sync's start to its apply: `sync_delay` while the replicas
         are in step (each stage of the sync on the same tick everywhere; one due past the run's end dropped
-        by all alike); else the same share of its steps in the period as `sync_delay`
-        is of the fastest's (rounded down, before its last step of the period), so every replica applies after
-        about the same wall time, a replica planned fewer steps than the delay applies before its next step,
-        losing none of them, and in the run's cut last period every replica applies before its last step,
-        whose meeting of every rank comes after the sync's collectives on each."""
+        by all alike); else the same share of its steps in the period as `sync_delay` is of the fastest's
+        (rounded down, before its last step of the period), so every replica applies after about the same wall
+        time, a replica planned fewer steps than the delay applies before its next step, losing none of them,
+        and in the run's cut last period every replica applies before its last step, whose meeting of every
+        rank comes after the sync's collectives on each."""
         tau = self.schedule.sync_delay
         if tau == 0 or self.plan is None or self.in_step:
             return tau
