@@ -166,7 +166,9 @@ class TrainConf:
     # from the GPU's name (harness.throughput.PEAK_TFLOPS), none on CPU
     peak_tflops: Optional[float] = None
     eval_every: int = 0  # steps between eval/loss passes on the held-out data (and one at the end); 0 = none
-    eval_batches: int = 4  # batches of train.batch_size sequences per eval pass, the same ones every time
+    # batches of train.batch_size held-out windows per eval pass, spread over the held-out split and the
+    # same every pass; "all": every window of the split (a full pass, for final numbers)
+    eval_batches: Any = 4
     profile: ProfileConf = field(default_factory=ProfileConf)
 
 

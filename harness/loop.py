@@ -305,15 +305,21 @@ def gradient_sync(job: Job, micro_batches: int, last: bool):
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, data: TokenStream, batches: int) -> dict:
-    """`eval/loss`: the mean loss over the first `batches` held-out batches, averaged
-    over ranks (between averagings: over the replicas, each scored on the same data);
-    with a mixture, `eval/loss/<source>` for each source and `eval/loss` their weighted mean.
-    Dropout is off and no RNG is drawn, so an eval pass leaves training bitwise unchanged."""
+def evaluate(model: torch.nn.Module, data: TokenStream, batches: int | str) -> dict:
+    """`eval/loss`: the mean loss over `batches` held-out batches spread over the held-out split
+    (every window with "all"; `TokenStream.eval_windows`), averaged over ranks (between averagings:
+    over the replicas, each scored on the same data); with a mixture, `eval/loss/<source>` for each
+    source and `eval/loss` their weighted mean. Dropout is off and no RNG is drawn, so an eval pass
+    leaves training bitwise unchanged."""
     model.eval()
     sources = data.eval_sources()  # a mixture's (name, weight); [] for one dataset
-    which = range(len(sources)) if sources else [None]
-    losses = [mean_over_ranks(sum(model(*data.eval_batch(i, s)) for i in range(batches)) / batches) for s in which]
+    losses = []
+    for source in range(len(sources)) if sources else [None]:
+        total, windows = 0.0, 0
+        for batch in data.eval_windows(batches, source):  # every window alike: the mean of batch means, weighted
+            total = total + model(*data.eval_batch(batch, source)) * len(batch)
+            windows += len(batch)
+        losses.append(mean_over_ranks(total / windows))
     model.train()
     for module in model.modules():  # FSDP2 leaves the root unsharded after a forward without backward
         if isinstance(module, FSDPModule):

@@ -75,7 +75,9 @@ EVAL_LOSS = Metric(
     "eval/loss",
     "nats",
     "every `train.eval_every` steps and the last",
-    "held-out cross-entropy, mean over ranks (between averagings: over the replicas, each scored on the same batches)",
+    "held-out cross-entropy, mean over ranks (between averagings: over the replicas, each scored on the same batches): "
+    "an estimate of the whole held-out split's, or that loss itself with `train.eval_batches=all` "
+    "([below](#what-evalloss-estimates))",
     "min",
 )
 EVAL_SOURCE_LOSS = Metric(

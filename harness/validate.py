@@ -146,8 +146,12 @@ def _check_train(cfg: DictConfig, world_size: int, gpus: int, local_world_size: 
         errors += _at_least(cfg, key, minimum, f"set {key}={max(minimum, 1)} or larger")
     errors += _at_least(cfg, "train.grad_clip", 0, "set train.grad_clip=0 to disable clipping")
     errors += _at_least(cfg, "train.eval_every", 0, "train.eval_every=0 (no eval pass) or e.g. 100")
-    if cfg.train.eval_every > 0:
-        errors += _at_least(cfg, "train.eval_batches", 1, "train.eval_batches=4")
+    batches = cfg.train.eval_batches
+    if cfg.train.eval_every > 0 and batches != "all" and (type(batches) is not int or batches < 1):
+        errors.append(
+            f"train.eval_batches={batches} is neither a number of batches (at least 1) nor 'all'. "
+            "Fix: train.eval_batches=4 (spread over the held-out split), or train.eval_batches=all (every window)."
+        )
     for key in ("launcher.nproc", "dist.threads_per_rank"):
         if OmegaConf.select(cfg, key) is not None:
             errors += _at_least(cfg, key, 1, f"set {key}=null (automatic) or a positive number")
@@ -225,7 +229,8 @@ def _check_model_and_data(cfg: DictConfig) -> list[str]:
         except ValueError as e:
             errors.append(str(e))
         else:
-            errors += source.eval_errors(cfg.train.eval_every) if hasattr(source, "eval_errors") else []
+            if hasattr(source, "eval_errors"):
+                errors += source.eval_errors(cfg.train.eval_every, cfg.train.eval_batches)
     return errors
 
 

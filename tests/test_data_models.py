@@ -16,10 +16,13 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from harness import metrics
 from harness.config import register_configs
 from harness.data import TextTokens, TokenStream, build_data
+from harness.loop import evaluate
 from harness.models import Llama, build_model, materialize
 from harness.models.llama import hf_name
+from harness.models.loss import lm_loss
 from harness.rng import seeded_generator
 
 from support import REPO
@@ -129,9 +132,57 @@ def test_text_corpus_is_cached_once_and_windows_do_not_overlap(tmp_path):
     s = build_data(run_config(cfg, batch_size=4, seed=0), rank=0, world_size=1, device=CPU)
     windows = torch.cat([s.next_batch()[0] for _ in range(10)])
     assert len({tuple(w.tolist()) for w in windows}) == 40  # 40 distinct windows of the stream
-    held_out = {tuple(w.tolist()) for k in range(4) for w in s.eval_batch(k)[0]}
-    assert held_out and not held_out & {tuple(w.tolist()) for w in windows}  # never trained on
-    assert torch.equal(s.eval_batch(0)[0], s.eval_batch(0)[0])  # the same batches every pass
+    held_out = {tuple(w.tolist()) for batch in s.eval_windows("all") for w in s.eval_batch(batch)[0]}
+    assert len(held_out) == s.source.eval_windows(17) and not held_out & {tuple(w.tolist()) for w in windows}
+    assert [b.tolist() for b in s.eval_windows(2)] == [b.tolist() for b in s.eval_windows(2)]  # the same every pass
+
+
+class Bigram(torch.nn.Module):
+    """A bigram language model, its log-probabilities counted (add-one) from `tokens`."""
+
+    def __init__(self, tokens: np.ndarray):
+        super().__init__()
+        counts = np.ones((256, 256))
+        np.add.at(counts, (tokens[:-1], tokens[1:]), 1)
+        self.log_probs = torch.nn.Parameter(torch.from_numpy(np.log(counts / counts.sum(1, keepdims=True))).float())
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return lm_loss(self.log_probs[tokens], targets)
+
+
+def test_eval_loss_estimates_the_whole_held_out_split_and_all_scores_every_window(tmp_path, world_of_1):
+    """A held-out split that gets harder along its length (a byte pattern the bigram predicts, then
+    more and more random bytes): eval/loss from 4 batches of 8 is within a few percent of a full pass
+    (`train.eval_batches=all`); the split's first windows, which eval/loss scored before, are far easier."""
+    rng = np.random.default_rng(0)
+    length, windows = 65, 400
+    pattern = np.resize(np.frombuffer(b"abcdefgh", dtype=np.uint8), length)
+    rows = [np.where(rng.random(length) < w / windows, rng.integers(256, size=length), pattern) for w in range(windows)]
+    held_out = np.concatenate(rows).astype(np.uint8)
+    root = tmp_path / "corpus"
+    root.mkdir()
+    (root / "a.txt").write_bytes(rng.integers(256, size=len(held_out) * 9, dtype=np.uint8).tobytes())
+    (root / "b.txt").write_bytes(held_out.tobytes())  # the corpus's last 10 %
+    data = {
+        "_target_": "harness.data.TextTokens",
+        "root": str(root),
+        "glob": "*.txt",
+        "max_bytes": 10**7,
+        "cache_dir": str(tmp_path / "cache"),
+        "eval_fraction": 0.1,
+    }
+    cfg = run_config(data, batch_size=8, seed=0)
+    cfg.train.seq_len = length - 1
+    s = build_data(cfg, rank=0, world_size=1, device=CPU)
+    assert s.source.held_out.tobytes() == held_out.tobytes()
+    model = Bigram(held_out)
+    full = evaluate(model, s, "all")[metrics.EVAL_LOSS]
+    spread = evaluate(model, s, 4)[metrics.EVAL_LOSS]
+    first = float(model(*s.eval_batch(np.arange(32))))
+    assert abs(spread - full) < 0.03 * full, (spread, full)
+    assert first < 0.5 * full, (first, full)  # the windows eval/loss scored before: not the split
+    every = np.arange(s.source.eval_windows(length))
+    assert full == pytest.approx(float(model(*s.eval_batch(every))), rel=1e-5)  # each window once
 
 
 def test_default_text_corpus_is_the_standard_library_without_site_packages(tmp_path):

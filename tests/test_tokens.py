@@ -177,7 +177,8 @@ def test_nanogpt_train_and_val_bins_are_read_as_they_are(tmp_path):
     rows = shards.samples(0, 58, 17)  # 1000 // 17 = 58 windows: one epoch
     starts = sorted(int(np.flatnonzero(tokens == row[0])[0]) for row in rows.numpy().astype(np.uint16))
     assert starts == [17 * w for w in range(58)]
-    assert torch.equal(shards.eval_samples(0, 1, 17)[0], torch.from_numpy(tokens[:17].astype(np.int64)))
+    assert torch.equal(shards.eval_samples([0], 17)[0], torch.from_numpy(tokens[:17].astype(np.int64)))
+    assert shards.eval_windows(17) == 300 // 17
 
 
 def test_a_batch_with_an_id_the_model_does_not_embed_names_its_shard(dataset, tmp_path):
@@ -371,7 +372,8 @@ def test_prepare_shows_one_progress_bar_per_phase_on_a_terminal_and_none_off_it(
 def test_prepare_cli_then_two_ranks_train_on_a_mixture(dataset, tmp_path, cli_env):
     """The real commands: python -m harness.prepare writes a second dataset with the
     first one's tokenizer; python train.py trains 2 ranks on a 70/30 mixture of the
-    two, scores the held-out shards, and logs the tokens read from each."""
+    two, scores every window of each held-out split (`train.eval_batches=all`), and
+    logs the tokens read from each."""
     root, out, _ = dataset
     other = tmp_path / "other"
     args = [f"input=[{root}/txt/*.txt]", f"out={other}", f"tokenizer={out}/tokenizer.json", "docs_per_shard=4"]
@@ -383,7 +385,7 @@ def test_prepare_cli_then_two_ranks_train_on_a_mixture(dataset, tmp_path, cli_en
     run = tmp_path / "run"
     sources = f"data.sources=[{{path: {out}, weight: 0.7}}, {{path: {other}, weight: 0.3}}]"
     train = ["model=mlp", "data=tokens", sources, "model.vocab_size=300", "train.seq_len=16", "train.batch_size=4"]
-    train += ["train.steps=8", "train.log_every=1", "train.eval_every=4", "train.eval_batches=2", "launcher.nproc=2"]
+    train += ["train.steps=8", "train.log_every=1", "train.eval_every=4", "train.eval_batches=all", "launcher.nproc=2"]
     check_ok(run_cli([*train, f"hydra.run.dir={run}"], cli_env, tmp_path))
     rows = read_metrics(run)
     last = rows[-1]

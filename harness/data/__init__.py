@@ -17,22 +17,25 @@ sample - none skipped, none read twice.
 
 A data source is a class named by `data._target_`, built from its config keys
 plus `vocab_size` and `seed`, with `samples(first, count, length)` and, for
-`train.eval_every`, `eval_samples(first, count, length)` from data it never
-trains on (text: the corpus's last `data.eval_fraction` of bytes); a mixture
-also names its sources in `eval_sources()` and takes `source=` there. Its
+`train.eval_every`, `eval_samples(windows, length)`: held-out windows (an array
+of their numbers) from data it never trains on (text: the corpus's last
+`data.eval_fraction` of bytes), with `eval_windows(length)` saying how many the
+split holds (absent: an endless held-out stream); a mixture also names its
+sources in `eval_sources()` and takes `source=` in both. Its
 constructor refuses bad arguments with a ValueError naming the key and the fix
 (`validate` builds it to ask, so it must be cheap); a source that reads files
 checks them in `preflight_errors(length, evaluates)` (samples of `length` =
 `train.seq_len` + 1 tokens, held-out ones too when `evaluates`) and loads them
 in `open()`, which every
 rank calls together; one with held-out data it cannot always provide says so in
-`eval_errors(train.eval_every)`.
+`eval_errors(train.eval_every, train.eval_batches)`.
 """
 
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
+import numpy as np
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
@@ -134,11 +137,28 @@ class TokenStream:
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="harness-data")
         return self._thread
 
-    def eval_batch(self, index: int, source: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Held-out batch `index` (of a mixture's source `source`): the same on every rank,
-        so every replica is scored on the same data."""
-        first, which = index * self.batch_size, {} if source is None else {"source": source}
-        seqs = self.source.eval_samples(first, self.batch_size, self.seq_len + 1, **which)
+    def eval_windows(self, batches: int | str, source: int | None = None) -> list[np.ndarray]:
+        """The held-out windows an eval pass scores (of a mixture's source `source`), batch by batch:
+        `batches` × batch_size windows spread evenly over the held-out split, the middle of each of
+        as many equal stretches (a split's start can be easier or harder than its whole), the same
+        every pass and on every rank; every window with `"all"` (the last batch shorter). A source
+        without `eval_windows` holds out an endless stream: its first windows, which are alike."""
+        which = {} if source is None else {"source": source}
+        count = getattr(self.source, "eval_windows", None)
+        total = count(self.seq_len + 1, **which) if count is not None else None
+        if total is None:
+            windows = np.arange(batches * self.batch_size)
+        elif batches == "all" or batches * self.batch_size >= total:
+            windows = np.arange(total)
+        else:
+            wanted = batches * self.batch_size
+            windows = (2 * np.arange(wanted) + 1) * total // (2 * wanted)
+        return [windows[i : i + self.batch_size] for i in range(0, len(windows), self.batch_size)]
+
+    def eval_batch(self, windows: np.ndarray, source: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The held-out windows `windows` (of a mixture's source `source`) as a batch on the device."""
+        which = {} if source is None else {"source": source}
+        seqs = self.source.eval_samples(windows, self.seq_len + 1, **which)
         seqs = seqs.to(self.device, non_blocking=True)
         return seqs[:, :-1], seqs[:, 1:]
 

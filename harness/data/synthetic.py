@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import torch
 
 from harness.rng import seeded_generator
@@ -23,13 +24,25 @@ class SyntheticTokens:
         self.next_token = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(_LANGUAGE_SEED))
         self._perm_powers, self._lock = [self.next_token], threading.Lock()
 
-    def eval_samples(self, first: int, count: int, length: int) -> torch.Tensor:
-        return self.samples(_EVAL_STREAM + first, count, length)
+    def eval_errors(self, eval_every: int, eval_batches: int | str) -> list[str]:
+        if eval_every > 0 and eval_batches == "all":
+            return [
+                f"train.eval_batches={eval_batches} scores every held-out window, but data=synthetic's held-out "
+                "stream is endless. Fix: a number of batches, e.g. train.eval_batches=4."
+            ]
+        return []
+
+    def eval_samples(self, windows: np.ndarray, length: int) -> torch.Tensor:
+        """Held-out windows of an endless stream of their own (`eval_windows` is absent: none is a last)."""
+        return self._draw(_EVAL_STREAM + np.asarray(windows), length)
 
     def samples(self, first: int, count: int, length: int) -> torch.Tensor:
+        return self._draw(range(first, first + count), length)
+
+    def _draw(self, indices, length: int) -> torch.Tensor:
         starts, breaks, random_tokens = [], [], []
-        for index in range(first, first + count):  # each sample its own stream: the same draws in any batch
-            g = seeded_generator(self.seed, index)
+        for index in indices:  # each sample its own stream: the same draws in any batch
+            g = seeded_generator(self.seed, int(index))
             starts.append(torch.randint(self.vocab_size, (1,), generator=g))
             breaks.append(torch.rand(length, generator=g) < self.noise)
             random_tokens.append(torch.randint(self.vocab_size, (length,), generator=g))

@@ -103,7 +103,7 @@ class TextTokens:
         split = len(corpus) - int(len(corpus) * self.eval_fraction)
         self.tokens, self.held_out = corpus[:split], corpus[split:]
 
-    def eval_errors(self, eval_every: int) -> list[str]:
+    def eval_errors(self, eval_every: int, eval_batches: int | str) -> list[str]:
         """Why `train.eval_every` cannot score held-out data from this source."""
         if eval_every > 0 and self.eval_fraction == 0:
             return [
@@ -112,11 +112,15 @@ class TextTokens:
             ]
         return []
 
-    def eval_samples(self, first: int, count: int, length: int) -> torch.Tensor:
-        """Consecutive windows of the held-out bytes (wrapping around)."""
-        windows = _windows(self.held_out, length, "held-out part of the text corpus", "raise data.eval_fraction")
-        starts = [(index % windows) * length for index in range(first, first + count)]
-        return torch.stack([torch.from_numpy(self.held_out[s : s + length].astype(np.int64)) for s in starts])
+    def eval_windows(self, length: int) -> int:
+        """The held-out bytes' windows of `length`."""
+        return _windows(self.held_out, length, "held-out part of the text corpus", "raise data.eval_fraction")
+
+    def eval_samples(self, windows: np.ndarray, length: int) -> torch.Tensor:
+        """Held-out windows `windows` (numbered from the held-out part's start, each `length` bytes)."""
+        return torch.stack(
+            [torch.from_numpy(self.held_out[w * length : (w + 1) * length].astype(np.int64)) for w in windows]
+        )
 
     def samples(self, first: int, count: int, length: int) -> torch.Tensor:
         windows = _windows(self.tokens, length, "text corpus", "add files (data.root, data.glob)")

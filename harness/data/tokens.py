@@ -247,7 +247,7 @@ class TokenShards:
     def preflight_errors(self, length: int, evaluates: bool) -> list[str]:
         return [e for s in self.sources for e in s.preflight_errors(length, evaluates)]
 
-    def eval_errors(self, eval_every: int) -> list[str]:
+    def eval_errors(self, eval_every: int, eval_batches: int | str) -> list[str]:
         if eval_every > 0 and any(not s.files["eval"] for s in self.sources):
             return [
                 f"train.eval_every={eval_every} scores held-out data, but a dataset has no eval shards. Fix: "
@@ -281,11 +281,13 @@ class TokenShards:
             return []
         return [(name, weight / sum(self.weights)) for name, weight in zip(self.names, self.weights)]
 
-    def eval_samples(self, first: int, count: int, length: int, source: int = 0) -> torch.Tensor:
-        """Consecutive windows of source `source`'s held-out shards (wrapping around)."""
-        files = self.splits[source]["eval"]
-        windows = int(files.windows(length)[-1])
-        return files.rows(np.arange(first, first + count) % max(windows, 1), length)
+    def eval_windows(self, length: int, source: int = 0) -> int:
+        """Source `source`'s held-out windows of `length` tokens."""
+        return int(self.splits[source]["eval"].windows(length)[-1])
+
+    def eval_samples(self, windows: np.ndarray, length: int, source: int = 0) -> torch.Tensor:
+        """Held-out windows `windows` of source `source` (numbered over its eval shards, in order)."""
+        return self.splits[source]["eval"].rows(np.asarray(windows, dtype=np.int64), length)
 
     def _windows(self, source: int, within: np.ndarray, length: int) -> torch.Tensor:
         """Samples `within` of source `source`'s own sequence: epoch by epoch, each a keyed order of its windows."""
