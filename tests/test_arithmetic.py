@@ -6,7 +6,7 @@ groups.
 
 A world of 4 runs in this process on torch's fake process group, whose
 collectives do nothing: it checks byte counts and buffer shapes, not values.
-Values come from a world of 1 on gloo.
+Values come from a world of 1 on gloo, or two ranks as threads of this process.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from __future__ import annotations
 import copy
 import json
 import math
+import threading
+from datetime import timedelta
 
 import pytest
 import torch
@@ -447,7 +449,7 @@ def test_schedule_position_round_trips_through_a_checkpoint_part():
 
 # -- weight-decay groups -------------------------------------------------------------
 
-GPT_MATRICES = {  # every parameter of 2 dimensions in a 1-block GPT: the ones weight decay falls on by default
+GPT_MATRICES = {  # every parameter of 2 dimensions in a 1-block untied GPT: the ones weight decay falls on by default
     "tok_emb.weight",
     "pos_emb.weight",
     "blocks.0.attn.qkv.weight",
@@ -459,7 +461,7 @@ GPT_MATRICES = {  # every parameter of 2 dimensions in a 1-block GPT: the ones w
 
 
 def one_block_gpt() -> GPT:
-    return GPT(n_layer=1, n_head=2, d_model=8, vocab_size=16, seq_len=4)
+    return GPT(n_layer=1, n_head=2, d_model=8, vocab_size=16, seq_len=4, tie_embeddings=False)
 
 
 def adamw(**overrides):
@@ -565,7 +567,8 @@ def three_linears() -> torch.nn.Module:
 def test_a_one_device_replicas_gradients_reach_the_hook_once_in_buckets(bucket_bytes, calls):
     """GradientReduction hands every gradient to the cross-replica mean once, in reduce_dtype, and
     takes the result back: one parameter at a time (0), or in flat buckets of about `bucket_bytes`
-    in reverse parameter order (3: 352, 576 and 512 bytes here), waited for when backward ends."""
+    in reverse parameter order (3: 352, 576 and 512 bytes here), waited for when backward ends,
+    then the mask of which of the 6 tensors have a gradient on this rank (all: nothing to read back)."""
     from harness.averaging import GradientReduction
 
     model = three_linears()
@@ -575,12 +578,14 @@ def test_a_one_device_replicas_gradients_reach_the_hook_once_in_buckets(bucket_b
     seen = []
     reduction = GradientReduction(model, torch.float64, bucket_bytes)
     reduction.set_all_reduce_hook(lambda flat: Doubled(flat, seen), active=lambda: True)
+    mask = [(6, torch.float64)] if bucket_bytes else []
     for _ in range(2):  # the buckets' buffers are kept from one backward to the next
         model.zero_grad(set_to_none=True)
         seen.clear()
         model(inputs).square().sum().backward()
-        assert len(seen) == calls and {dtype for _, dtype in seen} == {torch.float64}
-        assert sum(n for n, _ in seen) == sum(p.numel() for p in model.parameters())
+        assert len(seen) == calls + len(mask) and {dtype for _, dtype in seen} == {torch.float64}
+        assert sum(n for n, _ in seen[:calls]) == sum(p.numel() for p in model.parameters())
+        assert seen[calls:] == mask
         for mine, theirs in zip(model.parameters(), reference.parameters()):
             assert torch.equal(mine.grad, -2 * theirs.grad)
     # two micro-batches: the first only accumulates (no mean, the buffers kept), the last reduces the sum
@@ -593,9 +598,91 @@ def test_a_one_device_replicas_gradients_reach_the_hook_once_in_buckets(bucket_b
     assert seen == [] and len(kept) == len(buffers) and all(a is b for a, b in zip(buffers, kept))
     reduction.set_requires_gradient_sync(True)
     model(inputs).square().sum().backward()
-    assert len(seen) == calls
+    assert len(seen) == calls + len(mask)
     for mine, theirs in zip(model.parameters(), reference.parameters()):
         assert torch.equal(mine.grad, -2 * (theirs.grad + theirs.grad))
+
+
+def two_ranks_in_threads(work):
+    """`work(rank, group)` on two ranks, threads of this process with a gloo group of their own (gloo's
+    waits release the GIL; autograd runs each thread's backward and its hooks on that thread)."""
+    store, results, errors = dist.HashStore(), {}, []
+
+    def rank(r: int) -> None:
+        try:
+            results[r] = work(r, dist.ProcessGroupGloo(store, r, 2, timedelta(seconds=30)))
+        except BaseException as e:  # the other rank then times out in its collective
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return [results[0], results[1]]
+
+
+# which branches of `Branches` rank r's micro-batch m goes through, 2 micro-batches a step: b only on the
+# first micro-batch, c on rank 0's first only, d never, e on rank 1's last only (every rank's last backward
+# must produce the same gradients with bucket_bytes=0: each is reduced in its own hook)
+USES = {(0, 0): "abc", (0, 1): "a", (1, 0): "ab", (1, 1): "ae"}
+USES_ALONE = {k: v.replace("e", "") for k, v in USES.items()}
+
+
+class Branches(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.branch = torch.nn.ModuleDict({name: torch.nn.Linear(4, 4) for name in "abcde"})
+
+    def forward(self, inputs: torch.Tensor, names: str) -> torch.Tensor:
+        return sum(self.branch[name](inputs).square().sum() for name in names)
+
+
+@pytest.mark.parametrize("bucket_bytes", [0, 100, 2**20])  # one parameter at a time, 9 buckets, one
+def test_accumulated_gradients_the_last_micro_batch_skips_are_averaged_and_unused_ones_stay_none(bucket_bytes):
+    """Two replicas, 2 micro-batches a step, the first only accumulating: every gradient comes back as
+    the mean over the replicas of what each accumulated over the step (zeros where a replica has none),
+    those the last micro-batch did not produce included, and a parameter no replica used keeps none
+    (as on a local step: no weight decay, no momentum), as DDP's reducer with find_unused_parameters."""
+    from harness.averaging import GradientReduction
+    from harness.averaging.hooks import reduce_over_replicas
+    from harness.averaging.link import MeshLink
+
+    uses = USES_ALONE if bucket_bytes == 0 else USES
+    model = Branches()
+    inputs = {key: torch.randn(3, 4) for key in uses}
+    accumulated = []  # each rank's gradients over one step, autograd's alone
+    for r in range(2):
+        alone = copy.deepcopy(model)
+        for m in range(2):
+            alone(inputs[r, m], uses[r, m]).backward()
+        accumulated.append({n: p.grad for n, p in alone.named_parameters()})
+
+    def replica(rank: int, group: dist.ProcessGroup) -> list[dict]:
+        mine = copy.deepcopy(model)
+        reduction = GradientReduction(mine, torch.float32, bucket_bytes)
+        reduce_over_replicas(mine, reduction, MeshLink(group), CrossReplicaTraffic())
+        steps = []
+        for _ in range(2):  # the buckets and what a step leaves are kept to the next
+            mine.zero_grad(set_to_none=True)
+            for m in range(2):
+                reduction.set_requires_gradient_sync(m == 1)
+                mine(inputs[rank, m], uses[rank, m]).backward()
+            steps.append({n: None if p.grad is None else p.grad.clone() for n, p in mine.named_parameters()})
+        return steps
+
+    for rank, steps in enumerate(two_ranks_in_threads(replica)):
+        for step in steps:
+            for name, grad in step.items():
+                mine, theirs = accumulated[0][name], accumulated[1][name]
+                if mine is None and theirs is None:
+                    assert grad is None, f"rank {rank}: {name} has a gradient no replica produced"
+                    continue
+                mean = sum(g if g is not None else torch.zeros_like(grad) for g in (mine, theirs)) / 2
+                assert torch.equal(grad, mean), f"rank {rank}: {name} {grad.sum():.4f}, expected {mean.sum():.4f}"
 
 
 # bucket_bytes in bf16: the last layer's 2 tensors, then one each (the first bucket is in flight when backward
@@ -633,7 +720,7 @@ def test_a_backward_that_raises_leaves_the_next_reduction_whole_and_a_local_one_
         model.zero_grad(set_to_none=True)
         seen.clear()
         forward().backward()
-        assert len(seen) == buckets
+        assert len(seen) == buckets + 1  # and the mask of which tensors have a gradient
         for mine, theirs in zip(model.parameters(), reference.parameters()):
             assert torch.equal(mine.grad, (-2 * theirs.grad.bfloat16()).float())
 

@@ -11,9 +11,18 @@ order, so every rank issues the same collectives in the same order; backward goe
 When backward ends, each bucket is waited for once and the means are copied back into the
 gradients. On NCCL a wait makes the current stream wait for the collective, not the host.
 
+A parameter whose gradient the last micro-batch did not produce, as DDP's reducer with
+`find_unused_parameters` treats it: it joins its bucket, when backward ends, with what autograd
+accumulated on the step's earlier micro-batches (its `.grad`), or zeros where it has none; after
+the buckets, one small mean of which parameters have a gradient on this rank (DDP's
+`local_used_map`) tells which ones no replica has, and those keep `grad=None`, as on a local step
+(no weight decay, no momentum). That mask is read on the host only by a rank that lacks a gradient.
+
 With `bucket_bytes=0`, one parameter at a time, waited for in its own hook: a parameter stepped
 in backward (`optimizer.in_backward`, whose hooks are registered after these) steps on the
-reduced gradient.
+reduced gradient. Every rank must then produce the same parameters' gradients on the last
+micro-batch (their means are issued in hook order); one with a gradient from an earlier
+micro-batch only is reduced when backward ends, in parameter order.
 
 Nothing is done, not even a copy, in a backward whose gradients do not cross replicas (`active()`
 false: past the warmup) or that only accumulates (`set_requires_gradient_sync(False)`): the
@@ -57,6 +66,8 @@ class GradientReduction:
         self.buckets: list[_Bucket] | None = None  # allocated at the first backward that reduces
         self.bucket_of: dict[nn.Parameter, tuple[_Bucket, int]] = {}
         self.graph_task, self.reducing, self.launched = NO_GRAPH_TASK, False, 0
+        self.accumulated = False  # a backward that only accumulated ran since the step's last one
+        self.reduced_alone: set[nn.Parameter] = set()  # bucket_bytes=0: reduced in their hooks this backward
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_gradient)
 
@@ -67,13 +78,15 @@ class GradientReduction:
 
     def set_requires_gradient_sync(self, requires_sync: bool) -> None:
         self.requires_sync = requires_sync
+        self.accumulated |= not requires_sync
 
     @torch.no_grad()
     def _on_gradient(self, param: nn.Parameter) -> None:
         if not self._reducing_this_backward():
             return
         if not self.bucket_bytes:
-            self._reduce_alone(param)
+            self._reduce_alone(param.grad)
+            self.reduced_alone.add(param)
             return
         bucket, position = self.bucket_of[param]
         bucket.grads[position] = param.grad
@@ -82,7 +95,8 @@ class GradientReduction:
 
     def _reducing_this_backward(self) -> bool:
         """At a backward's first gradient: drop what an earlier backward left (one that raised),
-        decide whether this one reduces, and if it reduces in buckets, have it finish them when it ends."""
+        decide whether this one reduces, and if it reduces, have it finish when it ends (in buckets:
+        always; one parameter at a time: after micro-batches that only accumulated)."""
         task = torch._C._current_graph_task_id()
         if task == self.graph_task:
             return self.reducing
@@ -90,7 +104,12 @@ class GradientReduction:
         self.graph_task = task
         crosses = self.start_mean is not None and self.active()
         self.reducing = crosses and self.requires_sync  # not on a micro-batch that only accumulates
+        after_accumulating = self.accumulated and self.requires_sync
+        self.accumulated &= not self.requires_sync  # the step's last backward: the next step starts afresh
         if not self.bucket_bytes:
+            self.reduced_alone = set()
+            if self.reducing and after_accumulating:  # the same on every rank: the micro-batch schedule
+                torch.autograd.Variable._execution_engine.queue_callback(self._finish_alone)
             return self.reducing
         if not crosses:
             self.buckets, self.bucket_of = None, {}  # past the warmup: the buffers are not needed again
@@ -104,12 +123,37 @@ class GradientReduction:
         torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         return True
 
-    def _reduce_alone(self, param: nn.Parameter) -> None:
-        grad = param.grad
+    def _reduce_alone(self, grad: torch.Tensor) -> None:
         reduced = grad if grad.dtype == self.reduce_dtype else grad.to(self.reduce_dtype)
         self.start_mean(reduced).wait()
         if reduced is not grad:
             grad.copy_(reduced)
+
+    @torch.no_grad()
+    def _finish_alone(self) -> None:
+        """`bucket_bytes=0`, when a step's last backward ends: the parameters it produced no gradient
+        for (the same on every rank) had no hook to reduce the gradient of the step's earlier
+        micro-batches; here, in parameter order, those that some replica has a gradient for."""
+        rest = [p for p in self.params if p not in self.reduced_alone]
+        if not rest:
+            return
+        mask, work = self._start_mask([p.grad is not None for p in rest])
+        work.wait()
+        for p, any_rank in zip(rest, (mask > 0).tolist()):
+            if any_rank:
+                grad = p.grad if p.grad is not None else torch.zeros_like(p)
+                self._reduce_alone(grad)
+                p.grad = grad
+
+    def _start_mask(self, has_grad: list[bool]) -> tuple[torch.Tensor, Work]:
+        """Start the mean over the replicas of which parameters have a gradient on this rank (1 or 0
+        each, in `reduce_dtype`): above 0 where any replica has one."""
+        device = self.params[0].device
+        if all(has_grad):  # no copy from the host (on CUDA a blocking copy waits for the stream)
+            mask = torch.ones(len(has_grad), dtype=self.reduce_dtype, device=device)
+        else:
+            mask = torch.tensor(has_grad, dtype=self.reduce_dtype).to(device)
+        return mask, self.start_mean(mask)
 
     def _allocate_buckets(self) -> None:
         self.buckets, runs, size = [], [[]], 0
@@ -129,7 +173,7 @@ class GradientReduction:
 
     def _launch_filled_buckets(self, all_remaining: bool = False) -> None:
         """Start the mean of each bucket whose gradients are all in, in bucket order (with
-        `all_remaining`, every bucket left: a parameter without a gradient this step counts as zeros)."""
+        `all_remaining`, every bucket left: a parameter without a gradient counts as zeros)."""
         while self.launched < len(self.buckets):
             bucket = self.buckets[self.launched]
             if bucket.filled < len(bucket.params) and not all_remaining:
@@ -141,15 +185,28 @@ class GradientReduction:
 
     @torch.no_grad()
     def _finish(self) -> None:
-        """When backward ends: every bucket's mean, waited for once, back into the gradients."""
+        """When backward ends: a parameter this backward gave no gradient brings the step's earlier
+        micro-batches' (its `.grad`, or none); the buckets left and the mask are started, and every
+        mean, waited for once, goes back into the gradients, or becomes the gradient of a parameter
+        this rank has none for but another replica has."""
+        for bucket in self.buckets:
+            bucket.grads = [g if g is not None else p.grad for g, p in zip(bucket.grads, bucket.params)]
         self._launch_filled_buckets(all_remaining=True)
+        has_grad = [g is not None for bucket in self.buckets for g in bucket.grads]
+        mask, used = self._start_mask(has_grad)  # after every bucket: the same order on every rank
         for bucket in self.buckets:
             bucket.mean.wait()
-            for p, grad, slot in zip(bucket.params, bucket.grads, bucket.slots):
-                if grad is None:  # no gradient on this rank: the replicas' mean is its gradient
+        used.wait()
+        any_rank = has_grad if all(has_grad) else (mask > 0).tolist()
+        first = 0
+        for bucket in self.buckets:
+            for p, grad, slot, anywhere in zip(bucket.params, bucket.grads, bucket.slots, any_rank[first:]):
+                if grad is None and anywhere:  # the replicas' mean is its gradient
                     p.grad = slot.to(p.dtype, copy=True)
+            first += len(bucket.params)
             grads = [g for g in bucket.grads if g is not None]
-            torch._foreach_copy_(grads, [s for g, s in zip(bucket.grads, bucket.slots) if g is not None])
+            if grads:  # none where no parameter of the bucket has a gradient on this rank
+                torch._foreach_copy_(grads, [s for g, s in zip(bucket.grads, bucket.slots) if g is not None])
             bucket.grads, bucket.mean = [], None
 
     def _drop_unfinished(self) -> None:
