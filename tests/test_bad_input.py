@@ -137,7 +137,29 @@ SETTLED = [
     (
         "ft join timeout not positive",
         ["fault_tolerance=torchft", "sharding=no_shard", "fault_tolerance.join_timeout_s=0"],
-        ["fault_tolerance.join_timeout_s=0", "must be a positive number of seconds", "Fix:"],
+        [
+            "fault_tolerance.join_timeout_s=0",
+            "must be a positive number of seconds",
+            "Fix: fault_tolerance.join_timeout_s=null (the default",
+        ],
+    ),
+    (  # each timeout's fix is its own default (every one said "e.g. 60")
+        "ft quorum timeout not positive",
+        ["fault_tolerance=torchft", "sharding=no_shard", "fault_tolerance.quorum_timeout_s=-1"],
+        ["fault_tolerance.quorum_timeout_s=-1.0", "Fix: fault_tolerance.quorum_timeout_s=300 (the default)."],
+    ),
+    (  # the generic timeout rule's fix was 60 s; the heartbeat's default is 0.5
+        "ft heartbeat timeout zero",
+        ["fault_tolerance=torchft", "sharding=no_shard", "fault_tolerance.heartbeat_timeout_s=0"],
+        [
+            "fault_tolerance.heartbeat_timeout_s=0.0 must be a number of seconds of at least 0.2",
+            "Fix: fault_tolerance.heartbeat_timeout_s=0.5 (the default), at least 0.2.",
+        ],
+    ),
+    (
+        "ft heartbeat timeout not a number",
+        ["fault_tolerance=torchft", "sharding=no_shard", "fault_tolerance.heartbeat_timeout_s=nan"],
+        ["fault_tolerance.heartbeat_timeout_s=nan must be", "Fix: fault_tolerance.heartbeat_timeout_s=0.5"],
     ),
     (  # torchft's lighthouse overflowed on it
         "ft heartbeat timeout out of range",
@@ -167,8 +189,28 @@ SETTLED = [
     # the pace's rules (harness/averaging/config_rules.py pace_errors)
     (
         "min period above the period",
-        ["sharding=no_shard", "averager=periodic", "averager.period=4", "averager.min_period=8"],
+        [
+            "sharding=no_shard",
+            "averager=periodic",
+            "averager.period=4",
+            "averager.period_schedule=adacomm",
+            "averager.min_period=8",
+        ],
         ["averager.min_period=8 is above averager.period=4", "Fix: averager.min_period between 1 and 4"],
+    ),
+    (  # it was accepted and changed nothing: only adacomm shortens the period
+        "min period with a fixed period",
+        ["sharding=no_shard", "averager=diloco", "averager.period=16", "averager.min_period=4"],
+        [
+            "averager.min_period=4 with averager.period_schedule=fixed has no effect",
+            "Fix: averager.period_schedule=adacomm to let the period shorten from averager.period=16 down to 4, "
+            "or drop averager.min_period",
+        ],
+    ),
+    (
+        "min period in a hierarchy",
+        ["sharding=no_shard", "averager=hierarchical", "averager.min_period=2"],
+        ["averager.min_period=2 with averager.period_schedule=fixed has no effect", "Fix: drop averager.min_period"],
     ),
     (
         "adacomm from a period of 1",

@@ -42,6 +42,8 @@ def pace_errors(cfg: DictConfig) -> list[str]:
         errors.append(
             f"averager.min_period={avg.min_period} is out of range: it must be >= 1. Fix: averager.min_period=1."
         )
+    elif avg.get("min_period", 1) != 1 and str(avg.get("period_schedule", "fixed")) == "fixed":
+        errors += _min_period_without_adacomm(avg)
     elif "period" in avg and avg.period >= 1 and avg.get("min_period", 1) > avg.period:
         errors.append(
             f"averager.min_period={avg.min_period} is above averager.period={avg.period}: the period starts at "
@@ -71,6 +73,22 @@ def pace_errors(cfg: DictConfig) -> list[str]:
             "sharding=no_shard (the same layout, one replica per rank, without DDP)."
         )
     return errors
+
+
+def _min_period_without_adacomm(avg: DictConfig) -> list[str]:
+    """`averager.min_period` bounds the period AdaComm chooses; with a fixed period it would change nothing."""
+    if "period_group_size" in avg:  # hierarchical: no AdaComm (pace_errors refuses it)
+        fix = "drop averager.min_period (averager=hierarchical averages at the fixed periods of period_group_size)"
+    else:
+        fix = (
+            f"averager.period_schedule=adacomm to let the period shorten from averager.period={avg.period} down to "
+            f"{avg.min_period}, or drop averager.min_period"
+        )
+    return [
+        f"averager.min_period={avg.min_period} with averager.period_schedule=fixed has no effect: it is the "
+        "shortest period AdaComm may choose, and a fixed schedule averages every averager.period steps "
+        f"throughout. Fix: {fix}."
+    ]
 
 
 def _hierarchical_pace_errors(avg: DictConfig) -> list[str]:

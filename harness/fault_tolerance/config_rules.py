@@ -11,7 +11,7 @@ from urllib.parse import urlparse
 
 from omegaconf import DictConfig
 
-from harness.config import ConfigError
+from harness.config import ConfigError, FaultToleranceConf
 from harness.dist import under_torchrun
 
 NEEDS_TORCHFT = 'Fix: pip install -e ".[ft]" (torchft), or fault_tolerance=none.'
@@ -87,21 +87,19 @@ def config_errors(cfg: DictConfig, replicas: int | None) -> list[str]:
             "averager=hierarchical with fault_tolerance=torchft: it averages within fixed subsets of replicas, "
             "which a quorum that changes at run time cannot keep. Fix: averager=periodic or averager=diloco."
         )
-    for key in ("quorum_timeout_s", "timeout_s", "heartbeat_timeout_s", "join_timeout_s"):
+    for key in ("quorum_timeout_s", "timeout_s", "join_timeout_s"):
         if ft[key] is not None and not 0 < ft[key] <= MAX_TIMEOUT_S:
+            default = getattr(FaultToleranceConf, key)
+            fix = (
+                f"fault_tolerance.{key}={default:g} (the default)"
+                if default is not None
+                else f"fault_tolerance.{key}=null (the default: 0.2 s with 2 replica groups, else 10 s)"
+            )
             errors.append(
                 f"fault_tolerance.{key}={ft[key]} must be a positive number of seconds, at most {MAX_TIMEOUT_S} (a "
-                "week: torchft keeps its timeouts as milliseconds and durations). Fix: a number of seconds, e.g. 60."
+                f"week: torchft keeps its timeouts as milliseconds and durations). Fix: {fix}."
             )
-    heartbeat = ft.heartbeat_timeout_s
-    if heartbeat is not None and 0 < heartbeat < MIN_HEARTBEATS * MANAGER_HEARTBEAT_S:
-        errors.append(
-            f"fault_tolerance.heartbeat_timeout_s={heartbeat} is shorter than {MIN_HEARTBEATS} of the heartbeats "
-            f"torchft's Manager sends the lighthouse (one every {MANAGER_HEARTBEAT_S} s): the lighthouse would count "
-            "live groups as gone between two beats, every quorum would hold one group, and the groups would train "
-            f"apart. Fix: fault_tolerance.heartbeat_timeout_s=0.5 (the default), at least "
-            f"{MIN_HEARTBEATS * MANAGER_HEARTBEAT_S:g}."
-        )
+    errors += _heartbeat_errors(ft.heartbeat_timeout_s)
     if ft.max_restarts < 0:
         errors.append(f"fault_tolerance.max_restarts={ft.max_restarts} must be >= 0. Fix: 0 for no restarts.")
     if ft.max_failed_exchanges < 1:
@@ -116,6 +114,28 @@ def config_errors(cfg: DictConfig, replicas: int | None) -> list[str]:
             "fault_tolerance.replica_id, or start each group with torchrun and its own replica id."
         )
     return errors
+
+
+def _heartbeat_errors(heartbeat: float) -> list[str]:
+    """The lighthouse counts a group as gone once it has not beaten for `heartbeat` seconds: a few of the
+    Managers' beats at least, and a number torchft's lighthouse can hold."""
+    least, default = MIN_HEARTBEATS * MANAGER_HEARTBEAT_S, FaultToleranceConf.heartbeat_timeout_s
+    fix = f"Fix: fault_tolerance.heartbeat_timeout_s={default:g} (the default), at least {least:g}."
+    if 0 < heartbeat < least:
+        return [
+            f"fault_tolerance.heartbeat_timeout_s={heartbeat} is shorter than {MIN_HEARTBEATS} of the heartbeats "
+            f"torchft's Manager sends the lighthouse (one every {MANAGER_HEARTBEAT_S} s): the lighthouse would "
+            "count live groups as gone between two beats, every quorum would hold one group, and the groups would "
+            f"train apart. {fix}"
+        ]
+    if least <= heartbeat <= MAX_TIMEOUT_S:
+        return []
+    return [
+        f"fault_tolerance.heartbeat_timeout_s={heartbeat} must be a number of seconds of at least {least:g} "
+        f"({MIN_HEARTBEATS} of the heartbeats torchft's Manager sends the lighthouse, one every "
+        f"{MANAGER_HEARTBEAT_S} s) and at most {MAX_TIMEOUT_S} (a week: torchft keeps it as milliseconds): the "
+        f"lighthouse counts a group that has not beaten for this long as gone. {fix}"
+    ]
 
 
 def join_timeout_s(ft: DictConfig, groups: int) -> float:
