@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, BooleanNode, DictConfig, OmegaConf, open_dict
@@ -380,6 +380,12 @@ class PaceConf:
 @dataclass
 class NoAveragerConf:
     _target_: Optional[str] = None  # synchronous: gradients are averaged across replicas every step
+    # what refuses another averager's key given here (`averager=none averager.balance=time`)
+    OTHER_KEYS: ClassVar[str] = (
+        "averager=none trains synchronously (gradients averaged every step): no local steps to average, "
+        "plan or balance, so it takes none of the averagers' keys. Fix: averager=periodic or averager=diloco "
+        "to use it, or leave {key} out."
+    )
 
 
 @dataclass

@@ -226,6 +226,9 @@ def _unknown_key(cause: OmegaConfBaseException, bad: Override | None) -> str:
     if "/" not in key:  # `train/x=...` is group syntax on a plain key: no typo to guess
         # a top-level key may be a section's key given without its section (`steps=3`)
         typo = closest(key, keys) or (None if path else _closest_nested(key, node))
+    other_keys = getattr(cause.object_type, "OTHER_KEYS", None)  # a schema that takes no keys says why
+    if other_keys is not None:
+        return f"harness: {given}: {other_keys.format(key=full_key)}"
     if typo is not None:
         fixed = f"{path}.{typo}" if path else typo
         fix = f"{fixed}{rest}={value} (the closest key)"

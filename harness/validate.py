@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from harness import fault_tolerance, lr_schedules, sinks
+from harness import fault_tolerance, lr_schedules, sinks, slowdown
 from harness.components import target_class
 from harness.config import EXTRA_KEYS, ConfigError, ProfileConf, Strategy
 from harness.data import data_source
@@ -113,8 +113,11 @@ def unknown_keys(cfg: DictConfig) -> list[str]:
                         if typo
                         else f"check the spelling, and {plus}"
                     )
+                    other_keys = getattr(schema, "OTHER_KEYS", None)  # a schema that takes no keys says why
                     errors.append(
-                        f"Unknown config key '{full}' (value {value!r}): "
+                        f"Unknown config key '{full}' (value {value!r}): {other_keys.format(key=full)}"
+                        if other_keys is not None
+                        else f"Unknown config key '{full}' (value {value!r}): "
                         f"'{path or 'config'}' is a {schema.__name__}, which has no key '{key}'. "
                         f"Valid keys: {', '.join(sorted(declared))}. Fix: {fix}."
                     )
@@ -317,7 +320,7 @@ def _check_sharding_and_averager(cfg: DictConfig, world_size: int, local_world_s
             "scaler, which the harness has not, and small gradients underflow. Fix: sharding.param_dtype=bfloat16 "
             "(or auto)."
         )
-    errors += fault_tolerance.config_errors(cfg, replicate)
+    errors += fault_tolerance.config_errors(cfg, replicate) + slowdown.config_errors(replicate)
     if not averager_configured(cfg):
         return errors
     # the clock asks an averager class its `schedule`, the loop its `before_step`: a ReplicaAverager's

@@ -424,13 +424,15 @@ COMPOSITION = [
     (["-m", "averager.period=2,4,x"], "harness: averager.period=x: averager.period takes an integer."),
     (
         ["-m", "averager=periodic,none", "averager.period=8"],
-        "harness: in the sweep's job with averager=none: averager.period=8: 'averager' (NoAveragerConf) has no "
-        "key 'period'. Fix: one of the keys of averager: _target_.",
+        "harness: in the sweep's job with averager=none: averager.period=8: averager=none trains synchronously "
+        "(gradients averaged every step): no local steps to average, plan or balance, so it takes none of the "
+        "averagers' keys. Fix: averager=periodic or averager=diloco to use it, or leave averager.period out.",
     ),
     (  # no local steps to balance: synchronous training has no such key
         ["averager=none", "averager.balance=time"],
-        "harness: averager.balance=time: 'averager' (NoAveragerConf) has no key 'balance'. Fix: one of the keys "
-        "of averager: _target_.",
+        "harness: averager.balance=time: averager=none trains synchronously (gradients averaged every step): no "
+        "local steps to average, plan or balance, so it takes none of the averagers' keys. Fix: averager=periodic "
+        "or averager=diloco to use it, or leave averager.balance out.",
     ),
 ]
 

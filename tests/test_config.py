@@ -106,6 +106,7 @@ def test_schemas_are_not_listed_as_group_options():
 # (overrides, world size, visible GPUs, substrings the error must contain)
 RULES = [
     (["+averager.perod=4"], 2, 0, ["averager.perod", "PeriodicAveragerConf", "Valid keys", "drop the '+'"]),
+    (["averager=none", "+averager.balance=time"], 2, 0, ["averager=none trains synchronously", "averager=periodic"]),
     (["+train.stepz=3"], 2, 0, ["train.stepz", "TrainConf"]),
     (["train.steps=0"], 2, 0, ["train.steps=0", ">= 1"]),
     (["train.batch_size=-1"], 2, 0, ["train.batch_size=-1", ">= 1"]),
