@@ -13,6 +13,7 @@ user never needs to.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 
@@ -39,21 +40,55 @@ class Slowdown:
         time.sleep((self.factor - 1) * took if self.factor is not None else max(0.0, self.seconds - took))
 
 
-def slowdown_for(replica: int) -> Slowdown | None:
-    """This replica's slowdown from `HARNESS_TEST_SLOWDOWN`, or None."""
-    spec = os.environ.get(ENV, "").strip()
-    slowdowns = {}
+FORMAT = "<replica>:<factor> or <replica>:<seconds>s, comma-separated"
+
+
+def slowdowns(spec: str) -> dict[int, Slowdown]:
+    """The slowdowns `spec` (a `HARNESS_TEST_SLOWDOWN` value) asks for, by replica; ValueError says why it is
+    not one (a factor below 1 would not slow a replica, and a negative, NaN or infinite time cannot be slept)."""
+    found: dict[int, Slowdown] = {}
     for item in filter(None, (part.strip() for part in spec.split(","))):
-        which, _, value = item.partition(":")
+        which, colon, value = item.partition(":")
+        seconds = value.endswith("s")
         try:
-            seconds = value.endswith("s")
-            number = float(value.removesuffix("s"))
-            slowdowns[int(which)] = Slowdown(seconds=number) if seconds else Slowdown(factor=number)
+            replica, number = int(which), float(value.removesuffix("s"))
         except ValueError:
-            raise ValueError(
-                f"{ENV}={spec!r}: each item must be replica:factor or replica:<seconds>s, e.g. {ENV}=1:2"
-            ) from None
-    slowdown = slowdowns.get(replica)
-    if slowdown is None or (slowdown.factor is not None and slowdown.factor <= 1):
+            replica = number = None
+        if not colon or replica is None or replica < 0:
+            problem = f"{item!r} is not of that form (a replica is an integer >= 0)"
+        elif not math.isfinite(number) or number < (0 if seconds else 1):
+            what = "seconds must be a finite number >= 0" if seconds else "a factor must be a finite number >= 1"
+            problem = f"in {item!r} {what}"
+        elif replica in found:
+            problem = f"replica {replica} is named twice"
+        else:
+            found[replica] = Slowdown(seconds=number) if seconds else Slowdown(factor=number)
+            continue
+        raise ValueError(problem)
+    return found
+
+
+def config_errors(replicas: int) -> list[str]:
+    """`HARNESS_TEST_SLOWDOWN` checked before any rank starts, as a setting is (`validate`): a malformed value,
+    or one that names a replica the run does not have (it would slow nothing)."""
+    spec = os.environ.get(ENV, "")
+    try:
+        unknown = sorted(set(slowdowns(spec)) - set(range(replicas)))
+        if not unknown:
+            return []
+        problem = f"the run has {replicas} replica(s), 0..{replicas - 1}, so replica {unknown[0]} would slow nothing"
+    except ValueError as e:
+        problem = str(e)
+    return [
+        f"{ENV}={spec!r} (a test knob that slows replicas, harness/slowdown.py) takes {FORMAT}: {problem}. Fix: "
+        f"e.g. {ENV}=1:2 (replica 1 twice as slow) or {ENV}=0:0.1s,1:0.2s (each local step's compute padded to "
+        f"that time), or unset {ENV}."
+    ]
+
+
+def slowdown_for(replica: int) -> Slowdown | None:
+    """This replica's slowdown from `HARNESS_TEST_SLOWDOWN` (checked by `config_errors`), or None."""
+    slowdown = slowdowns(os.environ.get(ENV, "")).get(replica)
+    if slowdown is None or (slowdown.factor is not None and slowdown.factor == 1):
         return None
     return slowdown

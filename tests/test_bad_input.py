@@ -108,6 +108,8 @@ def test_bad_input_fails_clearly_and_writes_nothing(name, overrides, expected, t
 
 # The rules the CLI cases above do not reach and no other test checks, through
 # `settle_config`: what train.py runs on the composed config before any rank starts.
+# An override `HARNESS_TEST_SLOWDOWN=...` sets that environment variable instead.
+SLOWDOWN = "HARNESS_TEST_SLOWDOWN="
 SETTLED = [
     ("plus unknown key", ["+averager.perod=4"], ["Unknown config key 'averager.perod'", "Fix: averager.period=4"]),
     ("negative steps", ["train.steps=-5"], ["train.steps=-5", "Fix:"]),
@@ -252,16 +254,40 @@ SETTLED = [
         ["averager.balance=time with sharding=ddp", "Fix: sharding=no_shard"],
     ),
     ("peak flops not a number", ["train.peak_tflops=nan"], ["train.peak_tflops=nan must be positive", "Fix:"]),
+    # the test knob that slows replicas: checked with the config (each rank failed alone, with a traceback, or in
+    # time.sleep naming neither the variable nor a fix)
+    (
+        "slowdown not a pair",
+        [f"{SLOWDOWN}fast"],
+        [
+            "HARNESS_TEST_SLOWDOWN='fast' (a test knob that slows replicas, harness/slowdown.py) takes "
+            "<replica>:<factor> or <replica>:<seconds>s, comma-separated: 'fast' is not of that form",
+            "Fix: e.g. HARNESS_TEST_SLOWDOWN=1:2",
+        ],
+    ),
+    ("slowdown nan", [f"{SLOWDOWN}1:nan"], ["in '1:nan' a factor must be a finite number >= 1", "Fix:"]),
+    ("slowdown inf", [f"{SLOWDOWN}0:1.5,1:inf"], ["in '1:inf' a factor must be a finite number >= 1", "Fix:"]),
+    ("slowdown below 1", [f"{SLOWDOWN}1:0.5"], ["in '1:0.5' a factor must be a finite number >= 1", "Fix:"]),
+    ("slowdown negative s", [f"{SLOWDOWN}1:-0.1s"], ["in '1:-0.1s' seconds must be a finite number >= 0", "Fix:"]),
+    ("slowdown twice", [f"{SLOWDOWN}1:2,1:3"], ["HARNESS_TEST_SLOWDOWN='1:2,1:3'", "replica 1 is named twice"]),
+    (
+        "slowdown of a replica the run has not",
+        [f"{SLOWDOWN}2:2"],
+        ["the run has 2 replica(s), 0..1, so replica 2 would slow nothing", "or unset HARNESS_TEST_SLOWDOWN"],
+    ),
     ("wandb timeout negative", ["wandb.init_timeout_s=-5"], ["wandb.init_timeout_s=-5.0 must be a positive", "Fix:"]),
 ]
 
 
 @pytest.mark.parametrize("name,overrides,expected", SETTLED, ids=[c[0] for c in SETTLED])
-def test_every_refusal_names_the_key_and_the_fix(name, overrides, expected, tmp_path):
+def test_every_refusal_names_the_key_and_the_fix(name, overrides, expected, tmp_path, monkeypatch):
     (tmp_path / "incomplete").mkdir()
     (tmp_path / "a_file").write_text("not a checkpoint")
     fake_checkpoint(tmp_path / "deep" / "step_5", n_layer=8)
-    args = [*BASE, *(o.format(tmp=tmp_path) for o in overrides)]
+    monkeypatch.delenv(SLOWDOWN[:-1], raising=False)
+    for override in (o for o in overrides if o.startswith(SLOWDOWN)):
+        monkeypatch.setenv(SLOWDOWN[:-1], override.removeprefix(SLOWDOWN))
+    args = [*BASE, *(o.format(tmp=tmp_path) for o in overrides if not o.startswith(SLOWDOWN))]
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         cfg = compose("config", overrides=args)
     nproc = local_rank_count(cfg)
