@@ -23,7 +23,7 @@ def _run_dirs(root):
 def test_mission_command_under_torchrun_writes_one_run_dir_with_metrics_and_wandb(tmp_path, cli_env):
     """`torchrun --nproc-per-node 2 train.py optimizer=sgd averager.period=4`, rank 1 started 2.5 s late.
     It leaves nothing in the temp dir (W&B's media and artifact dirs were left by every launch) but torch's
-    compile cache, one per user for every run."""
+    compile cache, one per user, shared by every run."""
     cli_env.pop("WANDB_MODE")
     temp = tmp_path / "temp"
     temp.mkdir()

@@ -430,3 +430,35 @@ def test_the_checkpoint_parts_tables_name_every_part_of_a_job():
     meta_row = next(line for line in checkpoints.splitlines() if line.startswith("| `meta.json` |"))
     missing = [part for part in sorted(parts) if f"`{part}`:" not in meta_row]
     assert not missing, f"docs/checkpoints.md's meta.json row does not describe the parts {missing}"
+
+
+FIGURE = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)\s?(×|%)")
+
+
+def unquoted_figures(readme: str, docs: Path) -> list[str]:
+    """The ratios and percentages a bullet of README's tour gives that none of the pages it links to
+    measures (a page's figure rounded to the bullet's decimals counts): the README quotes, the pages measure."""
+    tour = readme[readme.index("## A short tour") : readme.index("## Docs")]
+    missing = []
+    for bullet in tour.split("\n- ")[1:]:
+        pages = {link.split("#")[0] for link in re.findall(r"\]\((docs/[\w/.-]+\.md)(?:#[\w-]+)?\)", bullet)}
+        measured = [m.groups() for page in pages for m in FIGURE.finditer((docs.parent / page).read_text())]
+        for value, unit in (m.groups() for m in FIGURE.finditer(bullet)):
+            decimals = len(value.partition(".")[2])
+            if not any(u == unit and round(float(v), decimals) == float(value) for v, u in measured):
+                missing.append(f"{value}{unit} ({bullet.split('**')[1] if '**' in bullet else bullet[:30]})")
+    return missing
+
+
+def test_the_readme_quotes_figures_its_linked_pages_measure(tmp_path):
+    assert unquoted_figures((REPO / "README.md").read_text(), REPO / "docs") == []
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "b.md").write_text("in **0.55×** the time, +0.08 % loss")
+    stale = "## A short tour\n\n- **Uneven.** 0.52× the time, 0.8 % lower ([B](docs/b.md#x)); 0.6×\n\n## Docs\n"
+    assert unquoted_figures(stale, tmp_path / "docs") == ["0.52× (Uneven.)", "0.8% (Uneven.)"]
+
+
+def test_the_design_layout_names_every_module():
+    layout = (REPO / "docs" / "design.md").read_text().split("## Layout", 1)[1].split("\n## ", 1)[0]
+    modules = [p for p in sorted((REPO / "harness").rglob("*.py")) if p.name != "__init__.py"]
+    assert [str(p.relative_to(REPO)) for p in modules if p.name not in layout] == []
