@@ -277,3 +277,15 @@ def test_a_rank_that_stops_responding_ends_the_job_after_dist_timeout(tmp_path, 
     assert time.monotonic() - started < 90
     logs = out + "".join(p.read_text() for p in (run / "logs").glob("*.log"))
     assert "did not finish within dist.timeout_s=5 s" in logs and "another rank stopped responding" in logs
+
+
+def test_a_rank_stopped_as_it_leaves_says_so_in_one_line(tmp_path, cli_env):
+    """A stop signal that lands after a rank's body, in a finalizer as it leaves (a replica group stopped by
+    the launcher as its rank ended: torch.library's finalizers at exit), was raised there by torchelastic's
+    handler, which every forked rank inherits, and printed as a traceback ('Exception ignored in ...'); the
+    rank then left with the body's exit status. The rank's own handler says it was stopped, in one line, and
+    leaves at once with 128 + the signal."""
+    proc = run_cli([], cli_env, tmp_path, script=REPO / "tests" / "probes" / "stopped_while_leaving.py", timeout=60)
+    check_ok(proc)
+    assert "rank exit status: 143" in proc.stdout, proc.stdout
+    assert proc.stderr.strip().splitlines() == ["the rank was stopped (SIGTERM)"], proc.stderr

@@ -17,7 +17,6 @@ from pathlib import Path
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
-from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from harness.checkpoint import CheckpointError
@@ -182,8 +181,6 @@ def train_or_exit(cfg: DictConfig, run_dir: Path, plan: RunPlan) -> None:
         log.error("%s", e)
         record_failure(str(e))
         sys.exit(1)
-    except SignalException:  # stopped by the launcher, or Ctrl-C: not this rank's failure (exit_on_exception)
-        raise
     except Exception as e:
         if not (isinstance(e, (dist.DistError, RuntimeError)) and "timed out" in str(e).lower()):
             record_failure(": ".join([type(e).__name__, *str(e).splitlines()[:1]]))

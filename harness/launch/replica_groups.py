@@ -27,6 +27,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from harness.fault_tolerance import LIGHTHOUSE_ENV, NUM_REPLICA_GROUPS, REPLICA_GROUP_ID, join_timeout_s, quiet_torchft
 from harness.fault_tolerance.outputs import finished_step
 from harness.launch.check import start_method
+from harness.launch.exit import exit_now, on_stop_signals
 from harness.launch.ranks import CANNOT_RUN, failure_summary, rank_entrypoint, run_local_ranks
 from harness.plan import RunPlan
 from harness.sweep import FINISHED_WITHOUT_GROUPS
@@ -166,6 +167,10 @@ def supervise(cfg: DictConfig, run_dir: Path, plan: RunPlan) -> int:
 
 if __name__ == "__main__":
     try:
-        sys.exit(supervise(*pickle.loads(sys.stdin.buffer.read())))
+        code = supervise(*pickle.loads(sys.stdin.buffer.read()))
     except SignalException as e:  # stopped by the launcher (or Ctrl-C): its ranks are stopped too, quietly
-        sys.exit(128 + e.sigval)
+        code = 128 + e.sigval
+    # its exit status is settled: a stop signal changes nothing now, and it leaves without finalizing the
+    # interpreter, whose finalizers (torch.library's, at exit) took a stop signal as a traceback
+    on_stop_signals(signal.SIG_IGN)
+    exit_now(code)
