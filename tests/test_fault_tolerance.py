@@ -135,32 +135,74 @@ def wait_for_line(log: Path, text: str, count: int, proc: subprocess.Popen, time
 
 
 def test_a_heal_state_is_staged_in_one_buffer_of_its_exact_size_reused_until_released():
-    """HostStaging copies a heal state into one flat host buffer (each tensor at an aligned offset, so the
-    buffer is the state's size plus at most ALIGN bytes a tensor), reuses it while the layout stays the same,
-    and frees it on `release` even while the transport still holds views of it. (On CUDA it is page-locked
-    and the copies wait for the training stream: see HostStaging.stage; no CPU test can show that order.)"""
+    """HostStaging copies a heal state into one flat host buffer per dtype (each tensor at an aligned offset,
+    so the buffers are the state's size plus at most ALIGN bytes a tensor), which torchft's HTTP transport
+    serves (it refuses views of one storage as two dtypes), reuses them while the layout stays the same,
+    and frees them on `release`. The transport, which serves the buffers' views, is stopped first:
+    with no commit since the heal (a join quorum, then local steps) a late request for the staged step
+    either gets that state or fails, never a copy half overwritten by the next heal or freed memory read
+    as zeros. (On CUDA it is page-locked and the copies wait for the training stream: see
+    HostStaging.stage; no CPU test can show that order.)"""
+    import urllib.error
+    from datetime import timedelta
+
     import torch
+    from torchft.checkpointing import HTTPTransport
 
     from harness.fault_tolerance.replica_group import HostStaging
 
     state = {"step": 7, "model": {"w": torch.randn(3, 5), "b": torch.arange(3.0)}, "n": torch.tensor(4)}
     state["optim"] = {"state": {"w": {"exp_avg": torch.randn(3, 5).bfloat16(), "step": torch.tensor(2.0)}}}
-    staging = HostStaging(training_stream=None)
-    staged = staging.stage(state)
-    tensors = [state["model"]["w"], state["model"]["b"], state["n"], *state["optim"]["state"]["w"].values()]
-    assert staging.nbytes == sum(t.numel() * t.element_size() for t in tensors)
-    assert staging.nbytes <= staging.flat.numel() <= staging.nbytes + len(tensors) * HostStaging.ALIGN
-    assert staged["step"] == 7 and torch.equal(staged["optim"]["state"]["w"]["exp_avg"], tensors[3])
-    assert all(torch.equal(a, b) and a.data_ptr() != b.data_ptr() for a, b in zip(staging.buffers, tensors))
-    state["model"]["w"].add_(1)  # training goes on: the staged copy stays as it was
-    assert not torch.equal(staged["model"]["w"], state["model"]["w"])
-    flat = staging.flat
-    again = staging.stage(state)
-    assert staging.flat is flat and torch.equal(again["model"]["w"], state["model"]["w"])
-    staging.release()
-    assert flat.untyped_storage().nbytes() == 0 and staging.flat is None
-    state["model"]["w"] = torch.randn(4, 5)  # another layout: a buffer of its own size
-    assert torch.equal(staging.stage(state)["model"]["w"], state["model"]["w"])
+    wait = timedelta(seconds=0.3)  # how long the transport keeps a request waiting for a state to serve
+    transport = HTTPTransport(timeout=wait, num_chunks=0)
+    try:
+        staging = HostStaging(training_stream=None, transport=transport)
+
+        def heal(step: int) -> dict:  # what torchft's Manager does with the staged state at a quorum
+            staged = staging.stage(state)
+            transport.send_checkpoint(dst_ranks=[1], step=step, state_dict=staged, timeout=wait)
+            return staged
+
+        def fetch(step: int) -> dict:  # a healing peer's request
+            address = transport.metadata()
+            return transport.recv_checkpoint(src_rank=0, metadata=address, step=step, timeout=timedelta(seconds=10))
+
+        staged = heal(5)
+        tensors = [state["model"]["w"], state["model"]["b"], state["n"], *state["optim"]["state"]["w"].values()]
+        assert staging.nbytes == sum(t.numel() * t.element_size() for t in tensors)
+        held = sum(flat.numel() * flat.element_size() for flat in staging.flats)
+        assert staging.nbytes <= held <= staging.nbytes + len(tensors) * HostStaging.ALIGN
+        assert [flat.dtype for flat in staging.flats] == [torch.float32, torch.int64, torch.bfloat16]
+        assert staged["step"] == 7 and torch.equal(staged["optim"]["state"]["w"]["exp_avg"], tensors[3])
+        assert all(torch.equal(a, b) and a.data_ptr() != b.data_ptr() for a, b in zip(staging.buffers, tensors))
+        sent = {k: v.clone() for k, v in state["model"].items()}
+        assert all(torch.equal(fetch(5)["model"][k], v) for k, v in sent.items())
+        state["model"]["w"].add_(1)  # training goes on: the staged copy stays as it was
+        assert not torch.equal(staged["model"]["w"], state["model"]["w"])
+        flats = staging.flats
+        staging.stage(state)  # the next heal's copy, into the same buffer, before torchft sends it
+
+        def served_or_refused(step: int, expected: dict) -> None:
+            try:
+                got = fetch(step)["model"]
+            except urllib.error.HTTPError as e:  # the transport serves nothing now: the request fails
+                assert e.code == 500, e
+                return
+            for k, v in expected.items():
+                assert torch.equal(got[k], v), f"step {step}: {k} served with HTTP 200 is not the state sent: {got[k]}"
+
+        served_or_refused(5, sent)
+        transport.send_checkpoint(dst_ranks=[1], step=6, state_dict=staging.stage(state), timeout=wait)
+        assert staging.flats is flats and torch.equal(fetch(6)["model"]["w"], state["model"]["w"])
+        sent = {k: v.clone() for k, v in state["model"].items()}
+        staging.release()  # the next quorum has no peer to heal, and no commit came between
+        assert all(flat.untyped_storage().nbytes() == 0 for flat in flats) and staging.flats == []
+        served_or_refused(6, sent)
+        state["model"]["w"] = torch.randn(4, 5)  # another layout: a buffer of its own size
+        assert torch.equal(heal(8)["model"]["w"], state["model"]["w"])
+        assert torch.equal(fetch(8)["model"]["w"], state["model"]["w"])
+    finally:
+        transport.shutdown()
 
 
 @pytest.mark.slow

@@ -129,6 +129,7 @@ class TorchftLink:
         self.failed_in_a_row = 0  # exchanges since the last that committed (fault_tolerance.max_failed_exchanges)
         self.ft, self.replica_id, self.steps_done = ft, replica_id, 0
         quiet_torchft()
+        from torchft.checkpointing import HTTPTransport
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupBabyNCCL, ProcessGroupGloo
 
@@ -137,6 +138,9 @@ class TorchftLink:
         self.pg = ProcessGroupBabyNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
         self.lighthouse = lighthouse = ft.lighthouse or os.environ.get(LIGHTHOUSE_ENV)
         refuse_a_closed_lighthouse(lighthouse)
+        # the Manager's own default, held here: what serves this group's heal state stops serving before
+        # the staging buffer under it is reused or freed (HostStaging)
+        self.transport = HTTPTransport(timeout=timeout, num_chunks=0)
         try:
             self.manager = Manager(
                 pg=self.pg,
@@ -152,6 +156,7 @@ class TorchftLink:
                 lighthouse_addr=lighthouse,
                 replica_id=str(replica_id),
                 init_sync=False,  # every group starts from the same seeded weights
+                checkpoint_transport=self.transport,
             )
         except RuntimeError as e:
             if "failed to connect" not in str(e):

@@ -50,7 +50,7 @@ class ReplicaGroup:
         self.looked = False  # a restarted group looked for peers that finished the run
         device = trainer.env.device
         # what this group sends a peer it heals, copied after the work queued on the training stream
-        self.staging = HostStaging(torch.cuda.current_stream(device) if device.type == "cuda" else None)
+        self.staging = HostStaging(torch.cuda.current_stream(device) if device.type == "cuda" else None, link.transport)
         self.row: dict = {}
         link.manager.register_state_dict_fn("harness", self._load_heal_state, self._heal_state)
 
@@ -270,22 +270,32 @@ def _local(state):
 
 
 class HostStaging:
-    """The host memory a heal state is copied into: one flat buffer of the state's exact size (each tensor
-    at an offset aligned to ALIGN bytes), kept from heal to heal while the state's layout stays the same,
-    and released when the group has no peer to heal. On CUDA it is page-locked with `cudaHostRegister`,
+    """The host memory a heal state is copied into: one flat buffer per dtype of the state's exact size
+    (each tensor at an offset aligned to ALIGN bytes; one per dtype because torch's serialization, which
+    torchft's transport sends the state with, refuses two views of one storage as different types), kept
+    from heal to heal while the state's layout stays the same, and released when the group has no peer to
+    heal. On CUDA it is page-locked with `cudaHostRegister`,
     as DCP's shared-memory stager does: the caching host allocator behind `pin_memory=True` rounds each
-    block up to a power of two (up to 2x the state) and keeps it for the life of the process."""
+    block up to a power of two (up to 2x the state) and keeps it for the life of the process.
+
+    torchft's transport serves the buffers' views from a heal until its Manager's next `should_commit`,
+    which may be steps away (a join quorum followed by local steps): a buffer is written again or freed
+    only once the transport serves it no more (`disallow_checkpoint`: it waits for the requests being
+    answered, and later ones wait for the next heal's state, or fail)."""
 
     ALIGN = 64
 
-    def __init__(self, training_stream: torch.cuda.Stream | None):
-        """`training_stream`: the stream the training thread queues its work on (CUDA), else None."""
-        self.training_stream = training_stream
-        self.layout, self.flat, self.buffers, self.nbytes, self.pinned = None, None, [], 0, False
+    def __init__(self, training_stream: torch.cuda.Stream | None, transport):
+        """`training_stream`: the stream the training thread queues its work on (CUDA), else None;
+        `transport`: torchft's checkpoint transport that serves the staged state (its Manager's)."""
+        self.training_stream, self.transport = training_stream, transport
+        self.layout, self.flats, self.buffers, self.nbytes, self.pinned = None, [], [], 0, False
 
     @torch.no_grad()
     def stage(self, state: dict) -> dict:
-        """A copy of `state` in host memory (its tensors in the flat buffer, the rest as they are)."""
+        """A copy of `state` in host memory (its tensors in the flat buffers, the rest as they are); torchft
+        serves it again once its `send_checkpoint` has it (`allow_checkpoint`)."""
+        self.transport.disallow_checkpoint()  # a request still served from the buffers must not read a half copy
         values, spec = tree_flatten(state)
         tensors = [v for v in values if torch.is_tensor(v)]
         layout = (spec, [(t.shape, t.dtype) for t in tensors])
@@ -310,29 +320,45 @@ class HostStaging:
         return tree_unflatten([next(staged) if torch.is_tensor(v) else v for v in values], spec)
 
     def _allocate(self, tensors: list[torch.Tensor]) -> None:
-        offsets, end = [], 0
-        for t in tensors:
-            offsets.append(end)
-            end += -(-t.numel() * t.element_size() // self.ALIGN) * self.ALIGN
-        self.flat = torch.empty(end, dtype=torch.uint8)
-        self.pinned = any(t.is_cuda for t in tensors) and end > 0
-        if self.pinned:
-            torch.cuda.cudart().cudaHostRegister(self.flat.data_ptr(), end, 0)
-        self.buffers = [
-            self.flat[o : o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-            for o, t in zip(offsets, tensors)
-        ]
+        self.buffers = [None] * len(tensors)
+        self.pinned = any(t.is_cuda for t in tensors)
+        for dtype in dict.fromkeys(t.dtype for t in tensors):
+            members = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+            align = max(1, self.ALIGN // dtype.itemsize)
+            offsets, end = [], 0
+            for i in members:
+                offsets.append(end)
+                end += -(-tensors[i].numel() // align) * align
+            flat = torch.empty(end, dtype=dtype)
+            if self.pinned and end > 0:
+                nbytes = end * dtype.itemsize
+                _cuda_call("cudaHostRegister", torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), nbytes, 0))
+            self.flats.append(flat)
+            for i, o in zip(members, offsets):
+                self.buffers[i] = flat[o : o + tensors[i].numel()].view(tensors[i].shape)
         self.nbytes = sum(t.numel() * t.element_size() for t in tensors)
 
     def release(self) -> None:
-        """Free the buffer. torchft's transport keeps the last state it served (views of the buffer) until
-        the next heal, but serves it no more once a commit has passed, so the memory is freed under it."""
-        if self.flat is None:
+        """Free the buffers, once the transport serves them no more (it keeps the views until the next heal)."""
+        if not self.flats:
             return
-        if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.flat.data_ptr())
-        self.flat.untyped_storage().resize_(0)
-        self.layout, self.flat, self.buffers, self.pinned = None, None, [], False
+        self.transport.disallow_checkpoint()
+        for flat in self.flats:
+            if self.pinned and flat.numel() > 0:
+                _cuda_call("cudaHostUnregister", torch.cuda.cudart().cudaHostUnregister(flat.data_ptr()))
+            flat.untyped_storage().resize_(0)
+        self.layout, self.flats, self.buffers, self.pinned = None, [], [], False
+
+
+def _cuda_call(name: str, error) -> None:
+    """A CUDA runtime call's `cudaError` (0: success) as a RuntimeError naming it. Only reached on CUDA,
+    which the CPU tests cannot run: it is one line on the path every CUDA heal takes, not a branch of its own."""
+    code = int(error)
+    if code != 0:
+        raise RuntimeError(
+            f"HostStaging: {name} returned cudaError {code} for the heal state's host buffer (an earlier "
+            "asynchronous CUDA error can surface here too; CUDA_LAUNCH_BLOCKING=1 tells them apart)"
+        )
 
 
 def _in_layout(optim: dict, params: dict) -> dict:
