@@ -17,6 +17,8 @@ accumulated on the step's earlier micro-batches (its `.grad`), or zeros where it
 the buckets, one small mean of which parameters have a gradient on this rank (DDP's
 `local_used_map`) tells which ones no replica has, and those keep `grad=None`, as on a local step
 (no weight decay, no momentum). That mask is read on the host only by a rank that lacks a gradient.
+Autograd's `.grad` is the record of use over the step's micro-batches: the loop sets gradients to
+None between steps (`zero_grad(set_to_none=True)`).
 
 With `bucket_bytes=0`, one parameter at a time, waited for in its own hook: a parameter stepped
 in backward (`optimizer.in_backward`, whose hooks are registered after these) steps on the
