@@ -161,10 +161,14 @@ def plot_run(run: Run, path: Path) -> None:
     _save(run_figure(run), path)
 
 
+def paced_replicas(run: Run) -> list[str]:
+    """The replicas whose local steps the run's exchange rows hold (averager.balance=time or adacomm), in order."""
+    prefix = metrics.REPLICA_LOCAL_STEPS.named("")
+    return sorted({key.removeprefix(prefix) for row in run.rows for key in row if key.startswith(prefix)}, key=int)
+
+
 def run_figure(run: Run):
-    replicas = sorted(
-        {key.rsplit("/", 1)[1] for row in run.rows for key in row if key.startswith("replica/local_steps/")}, key=int
-    )  # averager.balance=time or adacomm: a row of the replicas' paces
+    replicas = paced_replicas(run)  # a row of the replicas' paces
     fig, axes = plt.subplots(3 if replicas else 2, 2, figsize=(13, 12.5 if replicas else 8.5))
     (ax_loss, ax_drift), (ax_speed, ax_ckpt) = axes[:2]
     if replicas:
@@ -204,13 +208,13 @@ def run_figure(run: Run):
     return fig
 
 
-def _paces(run: Run, replicas: list[str], ax_steps, ax_wait) -> None:
+def _paces(run: Run, replicas: list[str], ax_steps, ax_wait, replica: str = "replica") -> None:
     """Each replica's local steps per period and its wait at each exchange (the straggler cost)."""
-    for replica in replicas:
-        steps, local = run.series(metrics.REPLICA_LOCAL_STEPS.named(replica))
-        ax_steps.plot(steps, local, marker=".", drawstyle="steps-pre", label=f"replica {replica}")
-        steps, wait = run.series(metrics.REPLICA_WAIT.named(replica))
-        ax_wait.plot(steps, wait, marker=".", label=f"replica {replica}")
+    for name in replicas:
+        steps, local = run.series(metrics.REPLICA_LOCAL_STEPS.named(name))
+        ax_steps.plot(steps, local, marker=".", drawstyle="steps-pre", label=f"{replica} {name}")
+        steps, wait = run.series(metrics.REPLICA_WAIT.named(name))
+        ax_wait.plot(steps, wait, marker=".", label=f"{replica} {name}")
     steps, period = run.series(metrics.AVERAGER_PERIOD)
     ax_steps.plot(steps, period, color="black", lw=0.8, ls="--", drawstyle="steps-pre", label=metrics.AVERAGER_PERIOD)
     _labels(ax_steps, "Local steps per period, by replica", "step", "local steps")
@@ -363,14 +367,21 @@ def replica_group_dirs(run_dir: Path) -> list[Path]:
     return sorted(dirs, key=lambda p: int(p.name.rsplit("_", 1)[1]))
 
 
-def report_replica_groups(run_dir: Path, out: Path) -> list[Path]:
-    """A fault-tolerant run: one table line per replica group, and its quorum and loss over steps."""
+def read_replica_groups(run_dir: Path) -> list[Run]:
+    """A fault-tolerant run's groups, each a Run of its own metrics under the run's config."""
     config = read_run(run_dir).config
     runs = []
     for group_dir in replica_group_dirs(run_dir):
         run = read_run(group_dir)
         run.config, run.name = config, group_dir.name
         runs.append(run)
+    return runs
+
+
+def report_replica_groups(run_dir: Path, out: Path) -> list[Path]:
+    """A fault-tolerant run: one table line per replica group, and its quorum and loss over steps (and each
+    group's local steps and waits where the groups' paces are planned: averager.balance=time or adacomm)."""
+    runs = read_replica_groups(run_dir)
     lines = [
         {
             **summarize(run),
@@ -387,7 +398,18 @@ def report_replica_groups(run_dir: Path, out: Path) -> list[Path]:
 
 
 def plot_replica_groups(runs: list[Run], path: Path, title: str) -> None:
-    fig, (ax_quorum, ax_loss) = plt.subplots(2, 1, figsize=(11, 8), sharex=True)
+    _save(replica_groups_figure(runs, title), path)
+
+
+def replica_groups_figure(runs: list[Run], title: str):
+    paces = exchanges_of_groups(runs)
+    groups = paced_replicas(paces)
+    fig = plt.figure(figsize=(11, 12.5 if groups else 8))
+    grid = fig.add_gridspec(3 if groups else 2, 2)
+    ax_quorum = fig.add_subplot(grid[0, :])
+    ax_loss = fig.add_subplot(grid[1, :], sharex=ax_quorum)
+    if groups:
+        _paces(paces, groups, fig.add_subplot(grid[2, 0]), fig.add_subplot(grid[2, 1]), "replica group")
     fig.suptitle(f"{title}: replica groups (fault_tolerance=torchft)", fontsize=11)
     for i, run in enumerate(runs):
         steps, replicas = run.series(metrics.FT_REPLICAS)
@@ -401,8 +423,20 @@ def plot_replica_groups(runs: list[Run], path: Path, title: str) -> None:
     _labels(ax_quorum, "Replica groups in each group's last quorum (ft/replicas); ▼ = healed", "step", "groups")
     _labels(ax_loss, "Training loss per group (its logged rows)", "step", "loss (cross-entropy, nats)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
+
+
+def exchanges_of_groups(runs: list[Run]) -> Run:
+    """The exchanges' rows of a fault-tolerant run, one per step: each group logs every group's local steps and
+    wait at an exchange it took part in, so the first group that logged one speaks for it (a group that was down
+    logged none)."""
+    prefix = metrics.REPLICA_LOCAL_STEPS.named("")
+    rows: dict[int, dict] = {}
+    for run in runs:
+        for row in run.rows:
+            if any(key.startswith(prefix) for key in row):
+                rows.setdefault(row["step"], row)
+    return Run(runs[0].path.parent if runs else Path(), "exchanges", [rows[s] for s in sorted(rows)], {}, None)
 
 
 def report_sweep(sweep_dir: Path, out: Path) -> list[Path]:

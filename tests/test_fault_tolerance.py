@@ -272,6 +272,17 @@ def test_a_killed_replica_group_heals_while_the_other_trains_on(tmp_path, averag
     if balanced:
         heal = min(row["step"] for row in healed if "ft/heal_s" in row)
         assert any(is_uneven(row) and row["step"] > heal for row in survivor), "plans equal after the heal"
+        # harness.report draws each group's local steps and waits (it drew the quorums and losses only), from the
+        # groups' files together: while group 1 was down, group 0's rows
+        from harness.report import read_replica_groups, replica_groups_figure
+
+        figure = replica_groups_figure(read_replica_groups(run_dir), run_dir.name)
+        lines = {ax.get_title(): {line.get_label(): line for line in ax.get_lines()} for ax in figure.axes}
+        for title in ("Local steps per period, by replica", "Wait at each exchange for the last replica"):
+            assert {"replica group 0", "replica group 1"} <= set(lines[title]), lines
+        drawn = lines["Local steps per period, by replica"]["replica group 1"].get_xydata().tolist()
+        logged = [[row["step"], row["replica/local_steps/1"]] for row in survivor if "replica/local_steps/1" in row]
+        assert logged and all(point in drawn for point in logged), (logged, drawn)
 
     for group in (0, 1):  # a save cut short is never taken for a checkpoint
         saved = run_dir / f"replica_group_{group}" / "checkpoints"
