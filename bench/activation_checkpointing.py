@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+from flags import at_least
 from harness_runs import SMOKE_HELP, check, compose, rank_env
 from omegaconf import open_dict
 
@@ -78,9 +79,11 @@ def activation_bytes(model: torch.nn.Module, batch, device: torch.device) -> flo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=6, help="timed steps per mode per round")
-    parser.add_argument("--batch-size", type=int, default=16, help="sequences per step: activations grow with it")
+    parser.add_argument("--rounds", type=at_least(1), default=3)
+    parser.add_argument("--steps", type=at_least(1), default=6, help="timed steps per mode per round")
+    parser.add_argument(
+        "--batch-size", type=at_least(1), default=16, help="sequences per step: activations grow with it"
+    )
     parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     parser.add_argument("overrides", nargs="*", help="hydra overrides, e.g. model.n_layer=8")
     args = parser.parse_args()

@@ -76,6 +76,8 @@ from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from pathlib import Path
 
+from flags import at_least, integers
+
 REPO = Path(__file__).resolve().parents[1]
 MODEL = [
     "model=mlp",
@@ -501,6 +503,12 @@ def rate_bits(rate: str) -> float:
     return float(m[1]) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m[2]]
 
 
+def tc_rate(text: str) -> str:
+    """argparse's type for a tc bit rate: the text, once `rate_bits` reads it."""
+    rate_bits(text)
+    return text
+
+
 def link_unavailable() -> str | None:
     if os.geteuid() != 0:
         return "not root"
@@ -655,12 +663,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     # smoke: loopback and overlap, both over loopback
     parser.add_argument("--part", choices=("loopback", "link", "overlap", "all", "smoke"), default="all")
-    parser.add_argument("--steps", type=int, default=20, help="steps per run, warm-up included")
-    parser.add_argument("--warmup", type=int, default=4, help="averager.warmup_steps; the window starts after it")
-    parser.add_argument("--periods", type=lambda s: [int(p) for p in s.split(",")], default=[1, 4, 16])
-    parser.add_argument("--repeats", type=int, default=3, help="runs per loopback config")
-    parser.add_argument("--link-repeats", type=int, default=1, help="runs per link config")
-    parser.add_argument("--rates", type=lambda s: s.split(","), default=["1gbit", "100mbit"])
+    parser.add_argument("--steps", type=at_least(1), default=20, help="steps per run, warm-up included")
+    parser.add_argument(
+        "--warmup", type=at_least(0), default=4, help="averager.warmup_steps; the window starts after it"
+    )
+    parser.add_argument("--periods", type=integers(1), default=[1, 4, 16])
+    parser.add_argument("--repeats", type=at_least(1), default=3, help="runs per loopback config")
+    parser.add_argument("--link-repeats", type=at_least(1), default=1, help="runs per link config")
+    parser.add_argument("--rates", type=lambda s: [tc_rate(r) for r in s.split(",")], default=["1gbit", "100mbit"])
     parser.add_argument(
         "--layouts",
         type=lambda s: [layout for name in s.split(",") for layout in LAYOUTS if layout.split()[1] == name],
@@ -670,17 +680,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--model", type=lambda s: s.split(","), default=[], help="overrides of the model's shape, after its defaults"
     )
-    parser.add_argument("--overlap-rate", default="100mbit", help="part overlap: the link's rate")
-    parser.add_argument("--overlap-period", type=int, default=32, help="part overlap: averager.period")
-    parser.add_argument("--fragments", type=int, default=4, help="part overlap: averager.fragments")
-    parser.add_argument("--sync-delay", type=int, default=6, help="part overlap: the delayed runs' sync_delay")
+    parser.add_argument("--overlap-rate", type=tc_rate, default="100mbit", help="part overlap: the link's rate")
+    parser.add_argument("--overlap-period", type=at_least(1), default=32, help="part overlap: averager.period")
+    parser.add_argument("--fragments", type=at_least(1), default=4, help="part overlap: averager.fragments")
+    parser.add_argument("--sync-delay", type=at_least(0), default=6, help="part overlap: the delayed runs' sync_delay")
     parser.add_argument(
         "--overlap-comm-dtypes",
         type=lambda s: s.split(","),
         default=["float32", "int8"],
         help="part overlap: a delayed run per averager.comm_dtype",
     )
-    parser.add_argument("--overlap-steps", type=int, default=68, help="part overlap: steps per run, warm-up included")
+    parser.add_argument(
+        "--overlap-steps", type=at_least(1), default=68, help="part overlap: steps per run, warm-up included"
+    )
     parser.add_argument("--overlap-on", choices=("link", "loopback"), default="link")
     parser.add_argument("--smoke", action="store_true", help=f"{SMOKE_HELP}: {' '.join(SMOKE)}")
     args = parser.parse_args(argv)
@@ -694,8 +706,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"--steps minus --warmup ({window}) must be a positive multiple of every period (lcm {lcm}), "
             f"e.g. --steps {args.warmup + lcm}"
         )
-    for rate in args.rates:
-        rate_bits(rate)
+    if args.part not in ("overlap", "all", "smoke"):
+        return args
+    if args.overlap_steps <= args.warmup:
+        parser.error(f"--overlap-steps {args.overlap_steps} must be above --warmup {args.warmup}: no step is timed")
+    if args.overlap_period % args.fragments or args.sync_delay >= args.overlap_period // args.fragments:
+        parser.error(
+            f"--fragments {args.fragments} must divide --overlap-period {args.overlap_period}, and --sync-delay "
+            f"{args.sync_delay} must be below their quotient (a sync is applied before the next fragment's starts), "
+            "e.g. --overlap-period 32 --fragments 4 --sync-delay 6"
+        )
     return args
 
 

@@ -72,6 +72,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from flags import at_least, directory, integers
 from harness_runs import SMOKE_HELP, check, compose, launch, rank_env
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -393,9 +394,11 @@ def fs_type(path: Path) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="10m,50m,200m", help=f"comma list of {', '.join(SIZES)}")
-    parser.add_argument("--ranks", default="2,4", help="comma list of rank counts")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--dir", default=None, help="parent of the temporary directory (default: system temp dir)")
+    parser.add_argument("--ranks", type=integers(1), default=[2, 4], help="comma list of rank counts")
+    parser.add_argument("--rounds", type=at_least(1), default=5)
+    parser.add_argument(
+        "--dir", type=directory, default=None, help="parent of the temporary directory (default: system temp dir)"
+    )
     parser.add_argument("--smoke", action="store_true", help=f"{SMOKE_HELP}: {' '.join(SMOKE)}")
     args = parser.parse_args()
     if args.smoke:
@@ -403,9 +406,6 @@ def main() -> None:
     sizes = args.sizes.split(",")
     if unknown := [s for s in sizes if s not in SIZES]:
         parser.error(f"unknown --sizes {unknown}; choose from {', '.join(SIZES)}")
-    ranks_list = [int(n) for n in args.ranks.split(",")]
-    if args.rounds < 1 or min(ranks_list) < 1:
-        parser.error("need --rounds >= 1 and rank counts >= 1")
 
     tmp = tempfile.TemporaryDirectory(prefix="harness-ckpt-bench-", dir=args.dir)
     root = Path(tmp.name)
@@ -423,7 +423,7 @@ def main() -> None:
     configs = []
     try:
         for size in sizes:
-            for ranks in ranks_list:
+            for ranks in args.ranks:
                 work = root / f"{size}-{ranks}"
                 run_dir = work / "run"
                 run_dir.mkdir(parents=True)

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from flags import above, at_least
 from harness_runs import CONF, SMOKE_HELP, compose
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
@@ -157,11 +158,11 @@ def compose_prepare(overrides: list[str]):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--big-gb", type=float, default=2.0)
-    parser.add_argument("--small-mb", type=float, default=100.0)
-    parser.add_argument("--text-mb", type=float, default=8.0)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--batches", type=int, default=200, help="batches read per loader round")
+    parser.add_argument("--big-gb", type=above(0), default=2.0)
+    parser.add_argument("--small-mb", type=above(0), default=100.0)
+    parser.add_argument("--text-mb", type=above(0), default=8.0)
+    parser.add_argument("--rounds", type=at_least(1), default=5)
+    parser.add_argument("--batches", type=at_least(1), default=200, help="batches read per loader round")
     parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = parser.parse_args()
     os.environ["RAYON_NUM_THREADS"] = "1"  # tokenizers' thread pool, before its first use: one core for both

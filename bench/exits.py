@@ -32,6 +32,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from flags import at_least
+
 REPO = Path(__file__).resolve().parents[1]
 SMOKE_HELP = "the smallest run through every path of this bench, on CPU, in seconds (tests/test_bench.py)"
 SMOKE = ["--runs", "1", "--load", "0", "--old"]
@@ -97,10 +99,14 @@ def run_once(entry: Path, launcher: str, run_dir: Path) -> tuple[int, str, float
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=300, help="runs per entry point (half torchrun, half python)")
-    parser.add_argument("--load", type=int, default=1, help="busy processes competing for the cores")
+    parser.add_argument(
+        "--runs", type=at_least(1), default=300, help="runs per entry point (half torchrun, half python)"
+    )
+    parser.add_argument("--load", type=at_least(0), default=1, help="busy processes competing for the cores")
     parser.add_argument("--old", action="store_true", help="also run the pre-fix entry point, side by side")
-    parser.add_argument("--old-every", type=int, default=1, help="with --old: run the old entry every K-th round")
+    parser.add_argument(
+        "--old-every", type=at_least(1), default=1, help="with --old: run the old entry every K-th round"
+    )
     parser.add_argument("--smoke", action="store_true", help=f"{SMOKE_HELP}: {' '.join(SMOKE)}")
     args = parser.parse_args()
     if args.smoke:

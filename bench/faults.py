@@ -43,6 +43,8 @@ import time
 import uuid
 from pathlib import Path
 
+from flags import above, at_least, integers
+
 REPO = Path(__file__).resolve().parents[1]
 MARKER = "HARNESS_FAULTS_BENCH"  # only processes with this bench run's marker are ever killed
 
@@ -386,24 +388,29 @@ def report(lines: list[dict], every: float, cap: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="2 groups, one failure, a few steps (tests/test_bench.py)")
-    parser.add_argument("--groups", default="2,4", help="replica groups (one CPU rank each), comma-separated")
-    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument(
+        "--groups", type=integers(2), default=[2, 4], help="replica groups (one CPU rank each), comma-separated"
+    )
+    parser.add_argument("--steps", type=at_least(1), default=1500)
     parser.add_argument(
         "--averager",
         choices=("diloco", "none"),
         default="diloco",
         help="what every job trains: DiLoCo, or synchronous training (averager=none: a quorum every step)",
     )
-    parser.add_argument("--period", type=int, default=8, help="DiLoCo's averager.period")
-    parser.add_argument("--every", type=float, default=10.0, help="seconds between failures")
+    parser.add_argument("--period", type=at_least(1), default=8, help="DiLoCo's averager.period")
+    parser.add_argument("--every", type=above(0), default=10.0, help="seconds between failures")
     parser.add_argument(
-        "--failures", type=int, default=40, help="at most this many failures a job (a bound on a stalled job's time)"
+        "--failures",
+        type=at_least(1),
+        default=40,
+        help="at most this many failures a job (a bound on a stalled job's time)",
     )
-    parser.add_argument("--checkpoint-interval", type=int, default=8, help="the baseline's checkpoint.interval")
-    parser.add_argument("--seed", type=int, default=0, help="which group or rank each failure hits")
+    parser.add_argument("--checkpoint-interval", type=at_least(1), default=8, help="the baseline's checkpoint.interval")
+    parser.add_argument("--seed", type=at_least(0), default=0, help="which group or rank each failure hits")
     parser.add_argument(
         "--seeds",
-        type=lambda text: [int(seed) for seed in text.split(",")],
+        type=integers(0),
         default=[0, 1, 2],
         help="one round of the three jobs per train.seed; medians over the rounds, and the held-out loss's spread",
     )
@@ -422,13 +429,13 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.smoke:
-        args.groups, args.steps, args.period, args.every, args.failures, args.seeds = "2", 80, 4, 1.0, 1, [0]
+        args.groups, args.steps, args.period, args.every, args.failures, args.seeds = [2], 80, 4, 1.0, 1, [0]
     random.seed(args.seed)
     with tempfile.TemporaryDirectory(prefix="bench-faults-") as scratch:
         work = Path(args.keep or scratch)
         work.mkdir(parents=True, exist_ok=True)
         lines = []
-        for groups in (int(g) for g in args.groups.split(",")):
+        for groups in args.groups:
             lines += measure(groups, args, work)
     report(lines, args.every, args.failures)
     print("bench/faults.py: done")

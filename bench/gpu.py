@@ -75,7 +75,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from harness_runs import FSDP2_STRATEGIES, SMOKE_HELP, at_least_one, check, compose, launch, rank_env
+from flags import at_least
+from harness_runs import FSDP2_STRATEGIES, SMOKE_HELP, check, compose, launch, rank_env
 from omegaconf import DictConfig, OmegaConf, open_dict
 from reference_loops import minimal_fsdp2, plain
 
@@ -146,10 +147,12 @@ def model_defaults(args: argparse.Namespace) -> dict[str, list[str]]:
     wanted = args.models.split(",") if args.models else list(models)
     unknown = [name for name in wanted if name not in models]
     if unknown:
-        raise SystemExit(
+        print(
             f"bench/gpu.py: --models {args.models}: {', '.join(unknown)} is not one of this device's models "
-            f"({', '.join(models)}). Fix: --models {','.join(models)}, or a Hydra override model=<name>."
+            f"({', '.join(models)}). Fix: --models {','.join(models)}, or a Hydra override model=<name>.",
+            file=sys.stderr,
         )
+        raise SystemExit(2)  # a bad argument's status, as argparse's
     if cuda and "llama3_1b" in wanted:
         models["llama3_1b"] = [*models["llama3_1b"], llama_batch()]
     return {name: models[name] for name in wanted}
@@ -394,10 +397,10 @@ def kernel_paths(args: argparse.Namespace) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=at_least_one, default=1)
-    parser.add_argument("--rounds", type=int, default=10, help="measured rounds, after one warm-up round")
-    parser.add_argument("--steps-per-round", type=int, default=10)
-    parser.add_argument("--count-steps", type=int, default=4, help="steps whose host work is counted")
+    parser.add_argument("--nproc", type=at_least(1), default=1)
+    parser.add_argument("--rounds", type=at_least(1), default=10, help="measured rounds, after one warm-up round")
+    parser.add_argument("--steps-per-round", type=at_least(1), default=10)
+    parser.add_argument("--count-steps", type=at_least(1), default=4, help="steps whose host work is counted")
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled paths (slow to compile on CPU)")
     parser.add_argument(
         "--compile-backend", default="inductor", help="torch.compile backend of the compiled paths (smoke: eager)"
@@ -425,8 +428,6 @@ def main() -> None:
         args.overrides = [*SMOKE_OVERRIDES, *args.overrides]
     elif args.quick:
         args = parser.parse_args([*QUICK, *sys.argv[1:]])
-    if args.nproc < 1 or args.rounds < 1 or args.steps_per_round < 1 or args.count_steps < 1:
-        parser.error("need --nproc, --rounds, --steps-per-round and --count-steps >= 1")
     command = shlex.join(["python", *sys.argv])
     if args.only:
         run_model(args, command)

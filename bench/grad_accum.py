@@ -28,7 +28,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from harness_runs import SMOKE_HELP, at_least_one, check, compose, launch, rank_env
+from flags import at_least
+from harness_runs import SMOKE_HELP, check, compose, launch, rank_env
 
 from harness import metrics
 from harness.dist import synchronize
@@ -94,11 +95,11 @@ def rank(cfg, run_dir: Path, plan, args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nproc", type=at_least_one, default=2)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=8, help="steps per job per round")
-    parser.add_argument("--accum", type=int, default=4, help="K: micro-batches per step")
-    parser.add_argument("--micro-batch", type=int, default=4, help="B: sequences per rank per micro-batch")
+    parser.add_argument("--nproc", type=at_least(1), default=2)
+    parser.add_argument("--rounds", type=at_least(1), default=5)
+    parser.add_argument("--steps", type=at_least(1), default=8, help="steps per job per round")
+    parser.add_argument("--accum", type=at_least(1), default=4, help="K: micro-batches per step")
+    parser.add_argument("--micro-batch", type=at_least(1), default=4, help="B: sequences per rank per micro-batch")
     parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     parser.add_argument("overrides", nargs="*", help="hydra overrides, e.g. sharding=ddp")
     args = parser.parse_args()

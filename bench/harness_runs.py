@@ -12,7 +12,6 @@ the script as multiprocessing's main module).
 
 from __future__ import annotations
 
-import argparse
 import functools
 import os
 import sys
@@ -35,14 +34,6 @@ REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
 FSDP2_STRATEGIES = [s.value for s in Strategy if s is not Strategy.ddp]  # every layout but ddp is FSDP2
 SMOKE_HELP = "the smallest run through every path of this bench, on CPU, in seconds (tests/test_bench.py)"
-
-
-def at_least_one(text: str) -> int:
-    """argparse's `type` for a count such as --nproc: an integer >= 1, else the flag's own error."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def script_name() -> str:

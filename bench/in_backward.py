@@ -38,6 +38,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from flags import at_least
+
 REPO = Path(__file__).resolve().parents[1]
 SMOKE_HELP = "the smallest run through every path of this bench, on CPU, in seconds (tests/test_bench.py)"
 SMOKE = ["--repeats", "1", "--steps", "3", "--skip", "1", "--width", "32", "--device", "cpu"]
@@ -114,15 +116,17 @@ def profile_peak(args: argparse.Namespace, in_backward: bool) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--skip", type=int, default=2, help="first steps left out of the step time (start-up)")
-    parser.add_argument("--width", type=int, default=1024, help="model.d_model; hidden is 4x")
+    parser.add_argument("--repeats", type=at_least(1), default=3)
+    parser.add_argument("--steps", type=at_least(1), default=12)
+    parser.add_argument("--skip", type=at_least(0), default=2, help="first steps left out of the step time (start-up)")
+    parser.add_argument("--width", type=at_least(1), default=1024, help="model.d_model; hidden is 4x")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--smoke", action="store_true", help=f"{SMOKE_HELP}: {' '.join(SMOKE)}")
     args = parser.parse_args()
     if args.smoke:
         args = parser.parse_args([*SMOKE, *sys.argv[1:]])
+    if args.steps <= args.skip:
+        parser.error(f"--steps {args.steps} must be above --skip {args.skip}: no step would be timed")
     w, vocab = args.width, 256
     params = 2 * vocab * w + 4 * (2 * w + 2 * 4 * w * w + 5 * w) + 2 * w
     grad_bytes = 4 * params

@@ -27,7 +27,8 @@ import uuid
 
 import torch
 import torch.distributed as dist
-from harness_runs import SMOKE_HELP, at_least_one
+from flags import above, at_least
+from harness_runs import SMOKE_HELP
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -67,9 +68,9 @@ def launch_with_harness(nproc: int, timeout_s: float) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seconds", type=float, default=180, help="time per mode")
-    parser.add_argument("--nproc", type=at_least_one, default=4)
-    parser.add_argument("--init-timeout-s", type=float, default=15)
+    parser.add_argument("--seconds", type=above(0), default=180, help="time per mode")
+    parser.add_argument("--nproc", type=at_least(1), default=4)
+    parser.add_argument("--init-timeout-s", type=above(0), default=15)
     parser.add_argument("--smoke", action="store_true", help=f"{SMOKE_HELP}: {' '.join(SMOKE)}")
     args = parser.parse_args()
     if args.smoke:

@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 
 import torch.distributed as dist
-from harness_runs import SMOKE_HELP, at_least_one, check, compose, launch, rank_env
+from flags import at_least
+from harness_runs import SMOKE_HELP, check, compose, launch, rank_env
 
 from harness.dist import synchronize
 from harness.job import build_job
@@ -82,9 +83,9 @@ def rank(llama, run_dir: Path, plan, hf, args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nproc", type=at_least_one, default=2)
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=8, help="steps per job per round")
+    parser.add_argument("--nproc", type=at_least(1), default=2)
+    parser.add_argument("--rounds", type=at_least(1), default=7)
+    parser.add_argument("--steps", type=at_least(1), default=8, help="steps per job per round")
     parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     parser.add_argument("overrides", nargs="*", help="hydra overrides of the model=llama job, e.g. model.n_layer=4")
     args = parser.parse_args()

@@ -54,7 +54,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from harness_runs import FSDP2_STRATEGIES, SMOKE_HELP, at_least_one, check, compose, launch, rank_env
+from flags import at_least
+from harness_runs import FSDP2_STRATEGIES, SMOKE_HELP, check, compose, launch, rank_env
 from omegaconf import DictConfig, open_dict
 from reference_loops import minimal_fsdp2, plain
 
@@ -245,10 +246,10 @@ def report(cfg, env, job, times, orders, steps_per_round, command, diffs, counts
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=at_least_one, default=2)
-    parser.add_argument("--rounds", type=int, default=30, help="including one warm-up round")
-    parser.add_argument("--steps-per-round", type=int, default=10)
-    parser.add_argument("--count-steps", type=int, default=5, help="steps whose dispatched ops are counted")
+    parser.add_argument("--nproc", type=at_least(1), default=2)
+    parser.add_argument("--rounds", type=at_least(2), default=30, help="including one warm-up round")
+    parser.add_argument("--steps-per-round", type=at_least(1), default=10)
+    parser.add_argument("--count-steps", type=at_least(1), default=5, help="steps whose dispatched ops are counted")
     parser.add_argument("--model", choices=("gpt", "mlp"), default="gpt")
     parser.add_argument("--strategy", choices=FSDP2_STRATEGIES, default="full_shard")
     parser.add_argument(
@@ -259,8 +260,6 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke:
         args = parser.parse_args([*SMOKE, *sys.argv[1:]])
-    if args.rounds < 2 or args.steps_per_round < 1 or args.count_steps < 1:
-        parser.error("need --rounds >= 2 (round 0 is warm-up), --steps-per-round >= 1 and --count-steps >= 1")
     cfg = compose_config(args)
     command = " ".join(["python", *sys.argv])
     with tempfile.TemporaryDirectory(prefix="harness-bench-") as tmp:

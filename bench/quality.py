@@ -70,10 +70,11 @@ from averaging import (
     link_unavailable,
     print_load,
     print_table,
-    rate_bits,
     start,
+    tc_rate,
     wait_all,
 )
+from flags import at_least, integers
 
 LAYOUTS = {
     "2x2": ("launcher.nproc=4", "sharding=hybrid_shard", "sharding.replicate=2"),
@@ -275,10 +276,10 @@ def report(results: dict[str, list[Result]], args: argparse.Namespace, where: st
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=384)
-    parser.add_argument("--warmup", type=int, default=8, help="synchronous steps before local training")
-    parser.add_argument("--periods", type=lambda s: [int(p) for p in s.split(",")], default=[16, 64])
-    parser.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[1])
+    parser.add_argument("--steps", type=at_least(1), default=384)
+    parser.add_argument("--warmup", type=at_least(0), default=8, help="synchronous steps before local training")
+    parser.add_argument("--periods", type=integers(1), default=[16, 64])
+    parser.add_argument("--seeds", type=integers(0), default=[1])
     parser.add_argument(
         "--outer",
         type=lambda s: list(OUTER) if s == "all" else s.split(","),
@@ -289,8 +290,10 @@ def main() -> None:
     parser.add_argument("--dtype-setting", default="default", help="the outer setting of the comm-dtype rows")
     parser.add_argument("--layout", choices=list(LAYOUTS), default="2x2")
     parser.add_argument("--results", type=Path, default=None, help="resumable results (default: a temp file)")
-    parser.add_argument("--eval-batches", type=int, default=16, help="held-out batches of 8 x 64 bytes per rank")
-    parser.add_argument("--rate", default="100mbit", help="the shaped link's rate (tc syntax)")
+    parser.add_argument(
+        "--eval-batches", type=at_least(1), default=16, help="held-out batches of 8 x 64 bytes per rank"
+    )
+    parser.add_argument("--rate", type=tc_rate, default="100mbit", help="the shaped link's rate (tc syntax)")
     parser.add_argument("--loopback", action="store_true", help="skip the link even where it can be built")
     parser.add_argument("--smoke", action="store_true", help=f"{SMOKE_HELP}: {' '.join(SMOKE + SMOKE_OVERRIDES)}")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run, e.g. train.batch_size=4")
@@ -301,7 +304,6 @@ def main() -> None:
     unknown = [s for s in [*args.outer, args.dtype_setting] if s != "default" and s not in OUTER]
     if unknown:
         parser.error(f"unknown outer setting(s) {unknown}: choose from default, all, {', '.join(OUTER)}")
-    rate_bits(args.rate)
     began = time.monotonic()
     print_load()
     for sig in (signal.SIGTERM, signal.SIGHUP):  # so the `with` blocks still clean up (namespaces, temp dir)

@@ -75,7 +75,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from averaging import RUN_TIMEOUT_S, Link, RunFailed, link_unavailable, print_load, print_table, rate_bits, wait_all
+from averaging import RUN_TIMEOUT_S, Link, RunFailed, link_unavailable, print_load, print_table, tc_rate, wait_all
+from flags import above, at_least, file_to_write, integers
 
 REPO = Path(__file__).resolve().parents[1]
 SLOWDOWN = "HARNESS_TEST_SLOWDOWN"
@@ -345,31 +346,31 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parts = ("uneven", "hierarchy", "torchft", "equal", "adacomm")
     parser.add_argument("--part", type=lambda s: s.split(","), default=list(parts), help=",".join(parts))
-    parser.add_argument("--steps", type=int, default=160, help="parts uneven, hierarchy, torchft and equal")
-    parser.add_argument("--period", type=int, default=8, help="parts uneven, hierarchy (the largest) and equal")
-    parser.add_argument("--factor", type=float, default=2.0, help="how much slower the slow replica is")
+    parser.add_argument("--steps", type=at_least(1), default=160, help="parts uneven, hierarchy, torchft and equal")
+    parser.add_argument("--period", type=at_least(1), default=8, help="parts uneven, hierarchy (the largest) and equal")
+    parser.add_argument("--factor", type=above(1), default=2.0, help="how much slower the slow replica is")
     parser.add_argument(
         "--pad",
-        type=float,
+        type=above(0),
         default=None,
         help="pad every replica's local steps to PAD s, the slow one's to factor x PAD: a device's speed whatever "
         "CPU the others leave it (the factor alone scales the slow replica's own compute, which grows and shrinks "
         "with the cores its peers leave it when they wait)",
     )
     parser.add_argument(
-        "--rounds", type=int, default=3, help="parts uneven, hierarchy and torchft: pairs of runs, medians"
+        "--rounds", type=at_least(1), default=3, help="parts uneven, hierarchy and torchft: pairs of runs, medians"
     )
-    parser.add_argument("--warmup", type=int, default=4, help="synchronous steps before local training")
-    parser.add_argument("--adacomm-steps", type=int, default=256)
-    parser.add_argument("--periods", type=lambda s: [int(p) for p in s.split(",")], default=[1, 4, 16, 32])
-    parser.add_argument("--adacomm-period", type=int, default=32, help="AdaComm's starting period")
-    parser.add_argument("--eval-every", type=int, default=16)
-    parser.add_argument("--eval-batches", type=int, default=8)
-    parser.add_argument("--rate", default="100mbit", help="part adacomm's link rate (tc syntax)")
+    parser.add_argument("--warmup", type=at_least(0), default=4, help="synchronous steps before local training")
+    parser.add_argument("--adacomm-steps", type=at_least(1), default=256)
+    parser.add_argument("--periods", type=integers(1), default=[1, 4, 16, 32])
+    parser.add_argument("--adacomm-period", type=at_least(2), default=32, help="AdaComm's starting period")
+    parser.add_argument("--eval-every", type=at_least(1), default=16)
+    parser.add_argument("--eval-batches", type=at_least(1), default=8)
+    parser.add_argument("--rate", type=tc_rate, default="100mbit", help="part adacomm's link rate (tc syntax)")
     parser.add_argument("--loopback", action="store_true", help="part adacomm over loopback even where a link works")
     parser.add_argument(
         "--plot",
-        type=Path,
+        type=file_to_write,
         default=None,
         help="PNG of part adacomm (loss, period); <stem>-paces: part uneven's",
     )
@@ -382,9 +383,14 @@ def main() -> None:
     unknown = set(args.part) - set(parts)
     if unknown:
         parser.error(f"--part {','.join(sorted(unknown))}: choose from {','.join(parts)}")
-    if args.factor <= 1 or min(args.periods) < 1 or args.adacomm_period < 2 or (args.pad is not None and args.pad <= 0):
-        parser.error("need --factor > 1, --periods >= 1, --adacomm-period >= 2 and --pad > 0")
-    rate_bits(args.rate)
+    steps = {"--steps": args.steps} if set(args.part) - {"adacomm"} else {}
+    if "adacomm" in args.part:
+        steps["--adacomm-steps"] = args.adacomm_steps
+    for flag, value in steps.items():
+        if value <= args.warmup:
+            parser.error(f"{flag} {value} must be above --warmup {args.warmup}: every step would be synchronous")
+    if "hierarchy" in args.part and args.period < 2:
+        parser.error(f"--period {args.period}: part hierarchy averages pairs at a shorter period, so it needs >= 2")
     began = time.monotonic()
     print_load()
     for sig in (signal.SIGTERM, signal.SIGHUP):  # so the `with` blocks still clean up (namespaces, temp dir)

@@ -6,13 +6,14 @@ ends with the line `bench/<name>.py: done`. A bench is any script in bench/ with
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 
 import pytest
 
-from support import REPO, base_env
+from support import REPO, base_env, run_cli
 
 BENCHES = sorted(p.name for p in (REPO / "bench").glob("*.py") if 'if __name__ == "__main__":' in p.read_text())
 # the limit catches a hang, not slowness: smoke runs took 13-248 s at load 3 on the 2 cores (quality.py
@@ -65,22 +66,55 @@ def test_bench_smoke(script, tmp_path):
     assert stdout.rstrip().endswith(f"bench/{script}: done"), f"no table, or not to its end\n{output}"
 
 
-# (bench, its arguments, what its message says): the flag the user passed, and the fix
+# (bench, its arguments, what its message says): the flag the user passed, and the fix; refused by argparse
+# (exit 2) before anything runs, a bench's numbers by the types of bench/flags.py
 BAD_ARGUMENTS = [
     ("gpu.py", ["--models", "gpt2"], ["--models gpt2: gpt2 is not one of this device's models", "Fix: --models gpt,"]),
-    ("overhead.py", ["--nproc", "0"], ["argument --nproc: must be >= 1, got 0"]),  # it named launcher.nproc
+    ("gpu.py", ["--count-steps", "0"], ["argument --count-steps: must be an integer >= 1, got '0'"]),
+    (
+        "overhead.py",
+        ["--nproc", "0"],
+        ["argument --nproc: must be an integer >= 1, got '0'"],
+    ),  # it named launcher.nproc
+    ("overhead.py", ["--rounds", "1"], ["argument --rounds: must be an integer >= 2, got '1'"]),
     ("matrix.py", ["--rows", "torchf"], ["--rows torchf: choose from one-world,torchft"]),
+    ("uneven.py", ["--rounds", "0"], ["argument --rounds: must be an integer >= 1, got '0'"]),  # StatisticsError
+    ("uneven.py", ["--steps", "0"], ["argument --steps: must be an integer >= 1, got '0'"]),  # checkpoint.interval=0
+    ("uneven.py", ["--factor", "nan"], ["argument --factor: must be a finite number > 1, got 'nan'"]),
+    ("uneven.py", ["--steps", "4", "--warmup", "4"], ["--steps 4 must be above --warmup 4"]),
+    ("uneven.py", ["--part", "hierarchy", "--period", "1"], ["--period 1: part hierarchy averages pairs"]),
+    ("uneven.py", ["--plot", "/nonexistent/u.png"], ["argument --plot: must be a file name in an existing directory"]),
+    ("averaging.py", ["--periods", "4,x"], ["argument --periods: must be comma-separated integers, each >= 1"]),
+    ("averaging.py", ["--rates", "fast"], ["argument --rates: rate 'fast': use tc's bit rates"]),
+    ("averaging.py", ["--fragments", "3"], ["--fragments 3 must divide --overlap-period 32"]),
+    ("quality.py", ["--eval-batches", "0"], ["argument --eval-batches: must be an integer >= 1, got '0'"]),
+    ("activation_checkpointing.py", ["--batch-size", "-1"], ["argument --batch-size: must be an integer >= 1"]),
+    ("checkpoint.py", ["--ranks", "2,0"], ["argument --ranks: must be comma-separated integers, each >= 1"]),
+    ("checkpoint.py", ["--dir", "/nonexistent"], ["argument --dir: must be an existing directory"]),
+    ("data.py", ["--big-gb", "inf"], ["argument --big-gb: must be a finite number > 0, got 'inf'"]),
+    ("exits.py", ["--load", "-1"], ["argument --load: must be an integer >= 0, got '-1'"]),
+    ("faults.py", ["--groups", "1"], ["argument --groups: must be comma-separated integers, each >= 2, got '1'"]),
+    ("grad_accum.py", ["--accum", "0"], ["argument --accum: must be an integer >= 1, got '0'"]),
+    ("in_backward.py", ["--steps", "2", "--skip", "2"], ["--steps 2 must be above --skip 2"]),
+    ("launch_hangs.py", ["--seconds", "0"], ["argument --seconds: must be a finite number > 0, got '0'"]),
+    ("models.py", ["--steps", "x"], ["argument --steps: must be an integer >= 1, got 'x'"]),
 ]
 
 
 @pytest.mark.parametrize("script,args,expected", BAD_ARGUMENTS, ids=[f"{b[0]} {' '.join(b[1])}" for b in BAD_ARGUMENTS])
 def test_a_bench_refuses_a_bad_argument_naming_its_flag(script, args, expected, tmp_path):
-    proc = subprocess.run(
-        [sys.executable, f"bench/{script}", *args], cwd=REPO, env=base_env(tmp_path), capture_output=True, text=True
-    )
+    proc = run_cli(args, base_env(tmp_path), REPO, script=REPO / "bench" / script, timeout=60)
     out = proc.stdout + proc.stderr
-    assert proc.returncode != 0 and all(text in out for text in expected), out
+    assert proc.returncode == 2 and all(text in out for text in expected), out
     assert "Traceback" not in out
+
+
+def test_every_numeric_bench_flag_is_checked_where_it_is_parsed():
+    """A bench's number flag takes a type of bench/flags.py (a range, or argparse's error naming the flag),
+    never a bare int or float: `--rounds 0` ended in a StatisticsError after the runs."""
+    bare = re.compile(r"type=(int|float)\b|type=lambda [a-z]+: \[(int|float)\(")
+    found = [f"{p.name}: {m[0]}" for p in sorted((REPO / "bench").glob("*.py")) for m in bare.finditer(p.read_text())]
+    assert found == []
 
 
 def test_quality_compares_over_seeds_against_their_spread():
