@@ -80,6 +80,12 @@ class ActivationCheckpointing(Choice):
     selective = "selective"  # recompute every other block's (torchtitan's layer-level selective AC)
 
 
+class Float8Recipe(Choice):
+    none = "none"  # the compute dtype's matmuls (bf16 on CUDA)
+    tensorwise = "tensorwise"  # one scale per tensor; FSDP2 all-gathers the weights in float8
+    rowwise = "rowwise"  # a scale per row: more accurate, the all-gather in the compute dtype
+
+
 class CommDType(Choice):
     float32 = "float32"
     bfloat16 = "bfloat16"  # sent in bf16, summed in fp32: half the bytes
@@ -162,6 +168,9 @@ class TrainConf:
     nonfinite: NonFinite = NonFinite.error  # NaN/inf loss or gradients
     # torch.compile: a replica of one device the whole model and its loss, else each block and the output loss
     compile: bool = False
+    # float8 matmuls in the blocks' linears through torchao (the float8 extra; CUDA compute capability 8.9+);
+    # pays under train.compile (harness/float8.py, docs/gpu.md)
+    float8: Float8Recipe = Float8Recipe.none
     # peak dense bf16 TFLOP/s of one device, for train/mfu; null = looked up
     # from the GPU's name (harness.throughput.PEAK_TFLOPS), none on CPU
     peak_tflops: Optional[float] = None

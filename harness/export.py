@@ -175,6 +175,7 @@ def _export(paths: list[Path], out: Path) -> dict:
     cfg.data = OmegaConf.structured(SyntheticDataConf)
     cfg.train.device, cfg.train.compile = "cpu", False
     cfg.model.activation_checkpointing, cfg.model.init_from = "none", None
+    cfg.train.float8 = "none"  # a float8 run's weights are plain parameters: read into the plain model
     env = init_distributed("cpu", cfg.dist.timeout_s, None)
     try:
         job = build_job(cfg, env, RunPlan(1, 1, 1, averaging=False, resume_from=path))

@@ -9,6 +9,7 @@ import torch
 from omegaconf import DictConfig
 from torch.distributed.device_mesh import DeviceMesh
 
+from harness import float8
 from harness.averaging import (
     CrossReplica,
     GradientReduction,
@@ -102,8 +103,9 @@ def build_job(cfg: DictConfig, env: DistEnv, plan: RunPlan, link: ReplicaLink | 
     mesh = build_mesh(1 if plan.replica_id is not None else plan.replicate, plan.shard, env.device.type)
     model = build_model(cfg.model, cfg.train.seq_len)
     flops_per_token = model.flops_per_token(cfg.train.seq_len)
-    checkpoint_activations(model, cfg.model.activation_checkpointing)
     one_device = one_device_replica(cfg.sharding, plan.shard)
+    float8.convert(model, cfg.train.float8, fsdp=not one_device and cfg.sharding.strategy != "ddp")
+    checkpoint_activations(model, cfg.model.activation_checkpointing)
     if cfg.train.compile:
         compile_model(model, one_device)
     model = apply_sharding(

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from harness import fault_tolerance, lr_schedules, sinks, slowdown
+from harness import fault_tolerance, float8, lr_schedules, sinks, slowdown
 from harness.components import target_class
 from harness.config import EXTRA_KEYS, ConfigError, ProfileConf, Strategy
 from harness.data import data_source
@@ -58,7 +58,7 @@ def config_warnings(cfg: DictConfig) -> list[str]:
             "synchronous and the averager never averages. For local SGD lower averager.warmup_steps; for "
             "synchronous training say averager=none."
         )
-    return warnings + _profile_warnings(cfg)
+    return warnings + _profile_warnings(cfg) + float8.config_warnings(cfg)
 
 
 def _profile_warnings(cfg: DictConfig) -> list[str]:
@@ -164,6 +164,7 @@ def _check_train(cfg: DictConfig, world_size: int, gpus: int, local_world_size: 
             "TFLOP/s). Fix: train.peak_tflops=null to look it up from the GPU's name."
         )
     errors += _check_device(cfg, gpus, local_world_size)
+    errors += float8.config_errors(cfg, gpus)
     errors += _check_profile(cfg, gpus)
     cpus = len(os.sched_getaffinity(0))
     if cfg.launcher.nproc is not None and cfg.launcher.nproc > 16 * cpus:

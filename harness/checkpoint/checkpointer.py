@@ -28,6 +28,7 @@ from harness.checkpoint.sharded import AsyncShardedMode, ShardedMode
 from harness.clock import Tick
 from harness.config import CheckpointConf
 from harness.dist import synchronize, true_on_every_rank
+from harness.float8 import plain_tensors
 from harness.job import Job, Stateful
 from harness.rng import rng_state, set_rng_state
 
@@ -104,7 +105,8 @@ class Checkpointer:
         }
         rngs = [None] * dist.get_world_size() if self.rank == 0 else None
         dist.gather_object(rng_state(), rngs, dst=0)
-        payload = self.mode.stage(*get_state_dict(job.model, inner_optimizer(job.optimizer)), part_tensors, layout)
+        model_sd, optim_sd = plain_tensors(get_state_dict(job.model, inner_optimizer(job.optimizer)))
+        payload = self.mode.stage(model_sd, optim_sd, plain_tensors(part_tensors), layout)
         synchronize(self.device)
         timings = {metrics.CHECKPOINT_STATE_DICT: time.perf_counter() - start, metrics.CHECKPOINT_MODE: self.cfg.mode}
         if self.async_save:
@@ -220,7 +222,7 @@ def load(path: Path, job: Job, rank: int) -> tuple[dict, dict]:
     for name, part in parts.items():
         part.load_state_dict({"step": meta["step"], **meta.get(name, {})})
     # after the small state, which says what the tensors are (e.g. which have optimizer state)
-    templates = {name: tensors for name, part in parts.items() if (tensors := tensor_state(part))}
+    templates = {name: plain_tensors(tensors) for name, part in parts.items() if (tensors := tensor_state(part))}
     saved = {name: templates[name] for name in meta.get("tensor_parts", []) if name in templates}
     if saved:
         with _loading(path):

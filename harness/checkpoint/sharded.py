@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from harness.checkpoint.replicas import Layout
 from harness.compat import ReusableStager
+from harness.float8 import plain_tensors
 
 
 class ShardedMode:
@@ -32,7 +33,7 @@ class ShardedMode:
         self, path: Path, copy_key: str | None, model: torch.nn.Module, optim: torch.optim.Optimizer
     ) -> float:
         """Read this rank's shards of one replica copy in place; returns the set-state seconds."""
-        model_sd, optim_sd = get_state_dict(model, optim)
+        model_sd, optim_sd = plain_tensors(get_state_dict(model, optim))
         target = {"model": model_sd, "optim": optim_sd}
         dcp.load(target if copy_key is None else {copy_key: target}, checkpoint_id=str(path))
         start = time.perf_counter()
