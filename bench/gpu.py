@@ -17,6 +17,16 @@ that train the same model from the same initial weights on the same batches:
   ...+compile             harness with train.compile=true (one device: the whole model; FSDP2: per block and
                           the output loss); minimal with `compile_blocks` before sharding; plain with
                           torch.compile of the whole model
+  float8 <recipe>         the harness with train.float8=tensorwise, then rowwise (harness/float8.py), in the
+                          compiled pass (float8 pays compiled; the eager one with --no-compile), where the
+                          device has float8 matmuls (compute capability 8.9+; the smoke emulates them on CPU),
+                          else a line says why not
+
+`--quality STEPS` (`--float8`: 300) then trains the harness in bf16 and in each float8 recipe STEPS
+steps each, compiled (by inductor; with another backend eager, which computes the same), from the same
+initial weights on the same batches of memory-mapped text (`data=text`: the Python standard library's
+sources, bytes), and compares their training loss at the end (the mean over the last tenth of the
+steps): float8's within 1 % of bf16's is the target.
 
 The data is memory-mapped tokens (`data=tokens`) the bench writes itself into
 its temporary directory, so the batches cost a read, not a generation
@@ -40,8 +50,10 @@ the host syncs among them (`harness.profiling.DispatchCounter`, no profiler). Th
 path is then freed (nothing of it is referenced any more, dynamo's caches are
 reset, CUDA's cache emptied), so that a model that fills the card fits (Llama 3.2
 1B at 8 x 2048 on 140 GB, 4 x 2048 below). Reported: per-path median step time,
-global tokens/s, MFU (tokens/s per device * flops/token / peak), the counts, and
-the ratios against the targets below (GPU targets; on CPU "n/a on CPU").
+global tokens/s, MFU (tokens/s per device * flops/token / peak: the model's
+bf16-equivalent FLOPs over the dense bf16 peak, float8 rows too), the counts,
+the peak of CUDA memory allocated while the path was built and trained, and the
+ratios against the targets below (GPU targets; on CPU "n/a on CPU").
 
 `--kernels` (opt-in) also counts, on CUDA, the device activities per step
 (kernels, copies, memsets) and the host's CUDA synchronize calls, from
@@ -52,8 +64,11 @@ process: kineto pull requests 1169 and 1554), after the timing runs.
     python bench/gpu.py [--nproc 1] [--rounds 10] [--steps-per-round 10] [--no-compile] [--kernels [PATH,...]]
                         [--compile-backend inductor] [--models gpt,llama3_1b] [--data tokens] [hydra overrides ...]
     python bench/gpu.py --quick   # on a GPU: GPT and Llama, eager and compiled, few rounds
+    python bench/gpu.py --float8  # on a GPU: GPT and Llama compiled, harness and plain in bf16 against the
+                                  # float8 recipes, few rounds, then the 300-step quality check
     python bench/gpu.py --smoke   # CPU, 2 ranks, 1 block of the GPT, 1 measured round of 1 step, eager backend,
-                                  # the harness path's kernel count (a profiler session of CPU ops on CPU)
+                                  # the harness path's kernel count (a profiler session of CPU ops on CPU),
+                                  # the float8 rows emulated, a quality check of 2 steps
 """
 
 from __future__ import annotations
@@ -63,6 +78,7 @@ import contextlib
 import functools
 import gc
 import json
+import os
 import resource
 import shlex
 import statistics
@@ -80,6 +96,7 @@ from harness_runs import FSDP2_STRATEGIES, SMOKE_HELP, check, compose, launch, r
 from omegaconf import DictConfig, OmegaConf, open_dict
 from reference_loops import minimal_fsdp2, plain
 
+from harness import float8
 from harness.data.shards import FORMAT, INDEX, shard_name, token_dtype
 from harness.dist import resolve_device, synchronize, visible_gpus
 from harness.job import build_job
@@ -112,16 +129,21 @@ CPU_MODELS = {
     "llama": ["model=llama", "model.n_layer=2", "model.d_model=64", "model.n_heads=4", *CPU_SIZE],
 }
 PATHS = ("harness", "minimal FSDP2", "plain")
+FLOAT8_PATHS = ("float8 tensorwise", "float8 rowwise")  # the harness with train.float8=<recipe>
+# --float8: the compiled pass of these paths alone, few rounds, and the quality check
+FLOAT8_ONLY = ("harness", "plain", *FLOAT8_PATHS)
+FLOAT8_QUALITY_STEPS = 300
 # --smoke: every path on 2 ranks, the tiny GPT smaller still (the Llama differs in the model alone), compiled paths
 # traced by dynamo with the eager backend (no inductor code generation, which takes minutes on a cold CPU cache),
 # the harness's kernel count
 SMOKE = ["--nproc", "2", "--rounds", "1", "--steps-per-round", "1", "--count-steps", "1", "--models", "gpt"]
-SMOKE += ["--compile-backend", "eager", "--kernels", "harness"]
+SMOKE += ["--compile-backend", "eager", "--kernels", "harness", "--quality", "2"]
 SMOKE_OVERRIDES = ["train.device=cpu", "model.n_layer=1", "train.seq_len=32", "train.batch_size=2"]
 # --quick: what whoever has a GPU runs first, after a one-minute smoke of train.py (docs/gpu.md); each model
 # under 3 minutes of GPU time on an H100
 QUICK = ["--rounds", "3", "--steps-per-round", "5", "--count-steps", "3"]
 OVERHEAD_TARGET, PLAIN_TARGET, MFU_TARGET = 1.03, 0.98, 0.45
+FLOAT8_TARGET, FLOAT8_LOSS_TOLERANCE = 1.2, 0.01  # tokens/s over the bf16 harness's (Llama 3.2 1B, compiled); loss
 COUNTS = ("ops", "host syncs")  # per step, in the table's order
 TOKENS_WRITTEN = 2**22  # per split: enough windows that no path reads one twice in a quick run
 
@@ -199,9 +221,10 @@ def build_path(name: str, compiled: bool, cfg, env, plan: RunPlan, run_dir: Path
     """Path `name`, built: (`steps(n)`: train n steps, `to_log_step()`: untimed, through the harness's next
     log step, what the table says of the path). Everything it holds lives in `stack`'s scope and the returned
     closures, so that it is freed with them."""
-    if name == "harness":
-        cfg = OmegaConf.merge(cfg, {"train": {"compile": compiled}})
-        path_dir = run_dir / f"harness{'+compile' * compiled}"
+    if name == "harness" or name in FLOAT8_PATHS:
+        recipe = name.split()[1] if name in FLOAT8_PATHS else "none"
+        cfg = OmegaConf.merge(cfg, {"train": {"compile": compiled, "float8": recipe}})
+        path_dir = run_dir / f"{name.replace(' ', '-')}{'+compile' * compiled}"
         path_dir.mkdir(parents=True, exist_ok=True)
         job = build_job(cfg, env, plan)
         trainer = stack.enter_context(Trainer(job, cfg, env, path_dir))  # checkpoint=none: only its per-step checks
@@ -229,6 +252,9 @@ def build_path(name: str, compiled: bool, cfg, env, plan: RunPlan, run_dir: Path
 def measure_path(name: str, compiled: bool, cfg, env, plan, run_dir, args) -> dict:
     """A path's round times (round 0, the warm-up, first) and host counts, and what the table says of it;
     the path itself is gone when this returns."""
+    cuda = env.device.type == "cuda"
+    if cuda:  # the peak of this path alone: the previous one is freed
+        torch.cuda.reset_peak_memory_stats(env.device)
     with contextlib.ExitStack() as stack:
         steps, to_log_step, info = build_path(name, compiled, cfg, env, plan, run_dir, stack)
         times = []
@@ -246,7 +272,8 @@ def measure_path(name: str, compiled: bool, cfg, env, plan, run_dir, args) -> di
         with DispatchCounter() as counter:
             steps(args.count_steps)
         counts = {"ops": counter.total / args.count_steps, "host syncs": counter.host_syncs / args.count_steps}
-    return {"times": times, "counts": counts, **info}
+    peak_gib = torch.cuda.max_memory_allocated(env.device) / 2**30 if cuda else None
+    return {"times": times, "counts": counts, "peak_gib": peak_gib, **info}
 
 
 def free(device: torch.device) -> None:
@@ -282,6 +309,8 @@ def worker(cfg: DictConfig, run_dir: Path, plan: RunPlan, args: argparse.Namespa
     if args.compile_backend != "inductor":  # every torch.compile of this rank (nn.Module.compile's too) uses it
         torch.compile = functools.partial(torch.compile, backend=args.compile_backend)
     runs = [("", False)] + ([] if args.no_compile else [("+compile", True)])
+    if args.float8:
+        runs = runs[-1:]
     # the harness logs as under train.py; its log steps fall outside the timed rounds
     with rank_env(cfg, run_dir) as env:
         if args.kernels_of:
@@ -294,12 +323,62 @@ def worker(cfg: DictConfig, run_dir: Path, plan: RunPlan, args: argparse.Namespa
             return
         results = {}
         for suffix, compiled in runs:
-            for name in PATHS:
+            names = FLOAT8_ONLY if args.float8 else PATHS
+            if (suffix, compiled) == runs[-1] and args.float8_refused is None:  # float8 pays compiled: that pass
+                names = dict.fromkeys([*names, *FLOAT8_PATHS])
+            for name in names:
                 results[name + suffix] = measure_path(name, compiled, cfg, env, plan, run_dir, args)
                 free(env.device)
         if env.is_main:
-            report(cfg, env, results, args.steps_per_round, command, args.compile_backend)
+            report(cfg, env, results, args.steps_per_round, command, args.compile_backend, args.float8_refused)
+        if args.quality_cfg is not None and args.float8_refused is None:
+            # dynamo's other backends compute what eager does (the smoke's): their tracing would only cost time
+            compiled = not args.no_compile and args.compile_backend == "inductor"
+            losses = quality(args.quality_cfg, env, plan, run_dir, compiled)
+            if env.is_main:
+                report_quality(losses, compiled, env.device.type == "cuda")
         dist.barrier()  # no rank tears down while rank 0 still reports
+
+
+def quality(cfg: DictConfig, env, plan: RunPlan, run_dir: Path, compiled: bool) -> dict[str, list[float]]:
+    """The harness in bf16 and in each float8 recipe, `train.steps` steps each from the same initial weights
+    on the same batches, logging every step: each one's training losses."""
+    losses = {}
+    for name in ("harness", *FLOAT8_PATHS):
+        recipe = name.split()[1] if name in FLOAT8_PATHS else "none"
+        path_cfg = OmegaConf.merge(cfg, {"train": {"compile": compiled, "float8": recipe}})
+        path_dir = run_dir / f"quality-{name.replace(' ', '-')}"
+        path_dir.mkdir(parents=True, exist_ok=True)
+        with Trainer(build_job(path_cfg, env, plan), path_cfg, env, path_dir) as trainer:
+            trainer.run()
+        if env.is_main:
+            rows = [json.loads(line) for line in (path_dir / "metrics.jsonl").read_text().splitlines()]
+            losses[name] = [row["train/loss"] for row in rows if "train/loss" in row]
+        free(env.device)
+    return losses
+
+
+def report_quality(losses: dict[str, list[float]], compiled: bool, gpu: bool) -> None:
+    steps = len(losses["harness"])
+    last = max(1, steps // 10)
+
+    def final(name: str) -> float:
+        return statistics.fmean(losses[name][-last:])
+
+    bf16 = final("harness")
+    print(
+        f"quality: {steps} steps each, {'compiled' if compiled else 'eager'}, from the same initial weights on the "
+        "same batches of data=text; "
+        f"training loss at the end (mean of the last {last} steps): harness {bf16:.4f}"
+    )
+    for name in FLOAT8_PATHS:
+        change = final(name) / bf16 - 1
+        verdict = ("ok" if abs(change) <= FLOAT8_LOSS_TOLERANCE else "OUTSIDE") if gpu else "n/a on CPU"
+        print(
+            f"  {name}: {final(name):.4f} ({change:+.2%} of the harness's), target within "
+            f"{FLOAT8_LOSS_TOLERANCE:.0%} {verdict}"
+        )
+    sys.stdout.flush()
 
 
 def median_ratio(a: list[float], b: list[float]) -> float:
@@ -307,8 +386,8 @@ def median_ratio(a: list[float], b: list[float]) -> float:
     return statistics.median(x / y for x, y in zip(a[1:], b[1:]))
 
 
-def report(cfg, env, results, steps_per_round, command, compile_backend) -> None:
-    harness = results["harness"]
+def report(cfg, env, results, steps_per_round, command, compile_backend, float8_refused) -> None:
+    harness = results.get("harness") or results["harness+compile"]
     mesh, flops_per_token, one_dev, fused = (harness[k] for k in ("mesh", "flops_per_token", "one_device", "fused"))
     gpu = env.device.type == "cuda"
     peak = peak_flops(env.device, cfg.train.peak_tflops)
@@ -333,7 +412,7 @@ def report(cfg, env, results, steps_per_round, command, compile_backend) -> None
     rounds = len(harness["times"])
     print(f"rounds:   {rounds} x {steps_per_round} steps per path, one path at a time, round 0 = warm-up\n")
     header = "".join(f"{k + '/step':>17}" for k in COUNTS)
-    print(f"{'path':<22} {'ms/step':>9} {'tokens/s':>11} {'MFU':>6}{header}   per-round ms/step")
+    print(f"{'path':<26} {'ms/step':>9} {'tokens/s':>11} {'MFU':>6} {'peak GiB':>9}{header}   per-round ms/step")
     medians, mfu = {}, {}
     for name, result in results.items():
         times, counts = result["times"], result["counts"]
@@ -343,21 +422,25 @@ def report(cfg, env, results, steps_per_round, command, compile_backend) -> None
         cells = "".join(f"{counts[k]:>17.1f}" for k in COUNTS)
         rounds_ms = " ".join(f"{x * 1e3:.1f}" for x in times)
         mfu_cell = "n/a" if mfu[name] is None else f"{mfu[name]:.3f}"
-        print(f"{name:<22} {medians[name] * 1e3:>9.2f} {tps:>11,.0f} {mfu_cell:>6}{cells}   {rounds_ms}")
-    print()
+        peak_cell = "n/a" if result["peak_gib"] is None else f"{result['peak_gib']:.2f}"
+        print(f"{name:<26} {medians[name] * 1e3:>9.2f} {tps:>11,.0f} {mfu_cell:>6} {peak_cell:>9}{cells}   {rounds_ms}")
+    print(
+        "MFU: the model's FLOPs per token as bf16 counts them, over the device's dense bf16 peak, float8 rows "
+        "too (their float8 matmuls have twice that peak); peak GiB: CUDA memory allocated, n/a on CPU\n"
+    )
 
     def verdict(ok: bool, miss: str) -> str:
         return ("ok" if ok else miss) if gpu else "n/a on CPU"
 
     compiled = "harness+compile" in results
-    for suffix in ["", "+compile"] if compiled else [""]:
+    for suffix in [suffix for suffix in ("", "+compile") if "harness" + suffix in results]:
         kind = "compiled" if suffix else "eager"
         ratio = median_ratio(results["plain" + suffix]["times"], results["harness" + suffix]["times"])
         print(
             f"harness / plain throughput ({kind}): {ratio:.3f}, target >= {PLAIN_TARGET} "
             f"{verdict(ratio >= PLAIN_TARGET, 'BELOW TARGET')}"
         )
-        if not one_dev:  # the harness runs FSDP2: against FSDP2 by hand, identical settings
+        if not one_dev and "minimal FSDP2" + suffix in results:  # FSDP2: against FSDP2 by hand, same settings
             ratio = median_ratio(results["harness" + suffix]["times"], results["minimal FSDP2" + suffix]["times"])
             print(
                 f"harness / minimal FSDP2 step time ({kind}): {ratio:.3f}, target <= {OVERHEAD_TARGET} "
@@ -365,14 +448,25 @@ def report(cfg, env, results, steps_per_round, command, compile_backend) -> None
             )
     syncs = harness["counts"]["host syncs"]
     print(f"harness host syncs per step that does not log: {syncs:g}, target 0 {'ok' if syncs == 0 else 'ABOVE'}")
-    if compiled:
+    if compiled and "harness" in results:
         speedup = medians["harness"] / medians["harness+compile"]
         print(f"harness+compile speed-up over harness eager: {speedup:.3f}, target > 1 {verdict(speedup > 1, 'NONE')}")
+    if compiled:
         if mfu["harness+compile"] is not None:
             value = mfu["harness+compile"]
             print(f"harness+compile MFU: {value:.3f} (target >= {MFU_TARGET} for Llama 3.2 1B)")
         if compile_backend != "inductor":
             print(f"compiled paths: torch.compile backend={compile_backend} (not inductor): their times are no figures")
+    suffix = "+compile" if compiled else ""
+    for name in FLOAT8_PATHS:
+        if name + suffix in results:
+            ratio = median_ratio(results["harness" + suffix]["times"], results[name + suffix]["times"])
+            print(
+                f"{name} / harness tokens/s ({'compiled' if compiled else 'eager'}): {ratio:.3f}, target >= "
+                f"{FLOAT8_TARGET} for Llama 3.2 1B compiled {verdict(ratio >= FLOAT8_TARGET, 'BELOW TARGET')}"
+            )
+    if float8_refused is not None:
+        print(f"float8 rows (and --quality): not run here: {float8_refused}")
     sys.stdout.flush()
 
 
@@ -382,7 +476,20 @@ def run_model(args: argparse.Namespace, command: str) -> None:
     with tempfile.TemporaryDirectory(prefix="harness-bench-gpu-") as tmp:
         run_dir = Path(tmp)
         cfg, plan = compose_config(args, defaults, run_dir)
+        # why the device cannot run float8 (asked here: the ranks' parent must not initialise CUDA), or None
+        refused = float8.config_errors(OmegaConf.merge(cfg, {"train": {"float8": "tensorwise"}}), visible_gpus())
+        args.float8_refused = " ".join(refused) or None
+        args.quality_cfg = quality_config(args, defaults, run_dir) if args.quality else None
         launch(cfg, run_dir, plan, worker, args, command)  # one rank in this process, as `python train.py` runs it
+
+
+def quality_config(args: argparse.Namespace, defaults: list[str], run_dir: Path) -> DictConfig:
+    """The quality check's config: the timed paths' on memory-mapped text, `--quality` steps, each one logged."""
+    cfg = compose(["sharding=full_shard", *fixed_overrides(args), *defaults, "data=text", *args.overrides])
+    with open_dict(cfg):
+        cfg.train.steps, cfg.train.log_every = args.quality, 1
+    check(cfg, args.nproc, run_dir)
+    return cfg
 
 
 def kernel_paths(args: argparse.Namespace) -> list[str]:
@@ -418,6 +525,19 @@ def main() -> None:
         "(comma-separated paths, default all)",
     )
     parser.add_argument("--quick", action="store_true", help=f"the first bench on a GPU: {' '.join(QUICK)}")
+    parser.add_argument(
+        "--float8",
+        action="store_true",
+        help=f"the float8 comparison alone: {', '.join(FLOAT8_ONLY)}, compiled, {' '.join(QUICK)}, then "
+        f"--quality {FLOAT8_QUALITY_STEPS}",
+    )
+    parser.add_argument(
+        "--quality",
+        type=at_least(0),
+        default=None,
+        help="then train bf16 and each float8 recipe this many steps on the same text and compare their final "
+        f"training loss (default 0: none; {FLOAT8_QUALITY_STEPS} with --float8)",
+    )
     parser.add_argument("--smoke", action="store_true", help=f"{SMOKE_HELP}: {' '.join(SMOKE + SMOKE_OVERRIDES)}")
     parser.add_argument("--only", help=argparse.SUPPRESS)  # the model this process measures (set by the bench)
     parser.add_argument("--kernels-of", help=argparse.SUPPRESS)  # the path this process counts (set by the bench)
@@ -426,8 +546,11 @@ def main() -> None:
     if args.smoke:
         args = parser.parse_args([*SMOKE, *sys.argv[1:]])
         args.overrides = [*SMOKE_OVERRIDES, *args.overrides]
-    elif args.quick:
+        os.environ[float8.EMULATE_ENV] = "1"  # the float8 rows on CPU, as the tests run them (and the children)
+    elif args.quick or args.float8:
         args = parser.parse_args([*QUICK, *sys.argv[1:]])
+    if args.quality is None:
+        args.quality = FLOAT8_QUALITY_STEPS if args.float8 else 0
     command = shlex.join(["python", *sys.argv])
     if args.only:
         run_model(args, command)
