@@ -126,16 +126,19 @@ def config_warnings(cfg: DictConfig) -> list[str]:
 
 
 def _import_torchao_float8():
-    """torchao.float8, imported with torchao's logger quieted: on import torchao loads its compiled
-    kernels, and warns for each that does not load (all of them on a CPU-only torch), none of which
-    float8 training uses (its matmul is torch._scaled_mm)."""
-    logger = logging.getLogger("torchao")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+    """torchao.float8, imported with torchao's logger quieted, and torch's pytree logger: on import torchao
+    loads its compiled kernels, warning for each that does not load (all of them on a CPU-only torch), none
+    of which float8 training uses (its matmul is torch._scaled_mm), and registers an enum that torch 2.13
+    deprecates registering. Neither is the user's to act on."""
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
     try:
         import torchao.float8
     finally:
-        logger.setLevel(level)
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
     return torchao.float8
 
 
