@@ -254,6 +254,11 @@ SETTLED = [
         ["averager.balance=time with sharding=ddp", "Fix: sharding=no_shard"],
     ),
     ("peak flops not a number", ["train.peak_tflops=nan"], ["train.peak_tflops=nan must be positive", "Fix:"]),
+    (  # the other refusals (no torchao, a GPU below 8.9): tests/test_float8.py
+        "float8 on the CPU",
+        ["train.float8=rowwise"],
+        ["train.float8=rowwise: the ranks run on the CPU, which has no float8 matmuls", "Fix:"],
+    ),
     # the test knob that slows replicas: checked with the config (each rank failed alone, with a traceback, or in
     # time.sleep naming neither the variable nor a fix)
     (

@@ -10,16 +10,21 @@ import sys
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from harness import float8
+from harness.config import register_configs
 from harness.export import export
 from harness.models import build_model, materialize
+from harness.validate import config_warnings
 
 from support import FAST, REPO, SMALL, check_ok, read_metrics, run_cli
+
+register_configs()
 
 LLAMA = {"_target_": "harness.models.Llama", "n_layer": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 2}
 GPT = {"_target_": "harness.models.GPT", "n_layer": 2, "n_head": 4, "d_model": 64}
@@ -128,6 +133,9 @@ def test_refused_where_it_cannot_run_and_warned_without_compile(monkeypatch):
     assert "train.float8=tensorwise trains through torchao" in missing and 'pip install -e ".[float8]"' in missing
     (slow,) = float8.config_warnings(cfg())
     assert "without train.compile=true" in slow and float8.config_warnings(cfg(compile=True)) == []
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        composed = compose("config", overrides=["train.float8=tensorwise"])
+    assert slow in config_warnings(composed)  # what the run logs before it starts
 
 
 # (recipe, checkpoint modes, overrides): a Llama that FSDP2 shards over the 2 ranks, all-gathering its
