@@ -25,7 +25,9 @@ the next precompute, and here weights change outside the optimizer step too (a
 resume, a heal, DiLoCo's delayed sync, steps inside backward), so the scales are
 recomputed before every forward of the root (a root forward pre-hook) rather
 than once after the optimizer step as torchtitan does: they always belong to
-the weights the forward all-gathers.
+the weights the forward all-gathers. torchao's `force_recompute_fp8_weight_in_bwd`,
+which torchtitan once set, is deprecated and does nothing in torchao 0.18
+(pytorch/ao#2251; torchtitan dropped it): not set.
 
 Hardware: float8 matmuls need a CUDA device of compute capability 8.9 or more
 (Ada, Hopper, Blackwell); `validate` refuses others and the CPU. Tests alone
@@ -157,7 +159,7 @@ def convert(model: nn.Module, recipe: str, fsdp: bool) -> None:
     )
     if recipe == "rowwise":  # torchtitan's workaround for pytorch/pytorch#150859 (rowwise scales under inductor)
         torch._inductor.config.emulate_precision_casts = True
-    in_blocks = {id(m) for m in model.blocks.modules()}
+    in_blocks = {id(m) for block in model.blocks for m in block.modules()}
     converted, too_small, outside = [], [], []
 
     def takes(module: nn.Module, fqn: str) -> bool:

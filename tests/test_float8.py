@@ -87,6 +87,15 @@ def test_linears_float8_cannot_multiply_stay_as_they_are(monkeypatch, caplog):
     assert "6 whose features are not multiples of 16 (e.g. blocks.0.feed_forward.w1)" in caplog.text
 
 
+def test_a_transformers_models_decoder_layers_convert(monkeypatch):
+    """model=hf, whose `blocks` is a list of transformers' decoder layers: their linears convert, lm_head stays."""
+    monkeypatch.setenv(float8.EMULATE_ENV, "1")
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        model = build_model(compose("config", overrides=["model=hf"]).model, SEQ)
+    float8.convert(model, "rowwise", fsdp=False)
+    assert len(converted(model)) == 14 and not any("lm_head" in name for name in converted(model))
+
+
 def test_the_float8_all_gathers_scales_follow_the_weights_whatever_changed_them(world_of_1, monkeypatch):
     """FSDP2 all-gathering the weights in float8: before each forward every weight's scale is computed
     in one all-reduce from the weights as they are then, also after a change outside the optimizer
