@@ -196,12 +196,18 @@ class ModelHarnessKeys:
 
 @dataclass
 class GPTConf(ModelHarnessKeys):
+    """nanoGPT's `model.py` GPT (harness/models/gpt.py); its position table holds train.seq_len positions
+    (nanoGPT's block_size). The defaults: nanoGPT's CPU "baby" shape with GPT-2's biases and tied head
+    (preset with GPT-2 small's shape: conf/model/gpt2.yaml)."""
+
     _target_: str = "harness.models.GPT"
     n_layer: int = 4
     n_head: int = 4
     d_model: int = 128
     vocab_size: int = 256
-    dropout: float = 0.0  # attention and residual dropout (drawn from each rank's seeded torch RNG)
+    bias: bool = True  # biases in every Linear and LayerNorm, as GPT-2 (nanoGPT's bias=False: none)
+    tie_embeddings: bool = True  # the output head is the token embedding table, as GPT-2 and nanoGPT
+    dropout: float = 0.0  # embedding, attention and residual dropout, nanoGPT's (each rank's seeded torch RNG)
 
 
 @dataclass

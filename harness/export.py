@@ -29,7 +29,7 @@ import torch
 from omegaconf import OmegaConf
 
 from harness.checkpoint import CheckpointError, checkpoint_dir, complete_checkpoints, load
-from harness.checkpoint.files import read_meta
+from harness.checkpoint.files import read_meta, saved_model_config
 from harness.checkpoint_paths import group_checkpoints, step_of
 from harness.config import ConfigError, SyntheticDataConf
 from harness.dist import init_distributed, teardown
@@ -168,6 +168,7 @@ def _export(paths: list[Path], out: Path) -> dict:
     path = paths[0]
     meta = read_meta(path)
     cfg = OmegaConf.create(meta["config"])
+    cfg.model = saved_model_config(meta["config"]["model"])  # as saved: keys added since at the values it had
     # One process on CPU reads the checkpoint as a resume on another layout does.
     # The data source does not matter (only its position is restored), so it is
     # synthetic: the run's corpus need not be at hand.

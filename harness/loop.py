@@ -28,6 +28,7 @@ from harness.fault_tolerance.outputs import PeersFinished, group_outputs
 from harness.fault_tolerance.replica_group import ReplicaGroup
 from harness.job import Job, build_job
 from harness.mesh import describe_replicas
+from harness.models import parameter_count
 from harness.nonfinite import NonFiniteGuard
 from harness.optim import clip_grad_norm_
 from harness.plan import RunPlan
@@ -54,7 +55,7 @@ def run_rank(cfg: DictConfig, run_dir: Path, plan: RunPlan) -> None:
             "world %d, mesh %s, %s parameters, device %s%s",
             env.world_size,
             dict(zip(job.mesh.mesh_dim_names, job.mesh.shape)),
-            f"{sum(p.numel() for p in job.model.parameters()):,}",
+            f"{parameter_count(job.model):,}",
             env.device,
             f", {torch.get_num_threads()} thread(s)" if env.device.type == "cpu" else "",
         )

@@ -263,6 +263,61 @@ def test_a_checkpoint_with_weight_decay_on_every_parameter_resumes_only_with_dec
     assert group["weight_decay"] == 0.01
 
 
+# one rank, one replica: a GPT's checkpoints; the tied run is nanoGPT's CPU "baby" config (block 64, no bias)
+ONE_RANK = ["train.log_every=1", "launcher.nproc=1", "averager=none", "optimizer=adamw"]
+TINY_GPT = ["model=gpt", "model.n_layer=1", "model.d_model=32", "model.n_head=2", "train.batch_size=4"]
+BABY_GPT = ["model=gpt", "model.bias=false", "train.seq_len=64", "train.batch_size=4"]
+
+
+@pytest.mark.slow
+def test_a_gpt_checkpoint_saved_before_tie_embeddings_resumes_only_untied(tmp_path, cli_env):
+    """A GPT checkpoint as saved before `model.bias` and `model.tie_embeddings`
+    existed (biases, and an untied head: its own `head.weight`): trained with
+    tie_embeddings=false and both keys dropped from its meta.json, which is all
+    that differs. The new default, a tied head (a load would keep one of the two
+    tables, silently), is refused before any rank starts, naming the key, and
+    writes nothing; `model.tie_embeddings=false` continues it, head and table apart."""
+    run = tmp_path / "run"
+    args = [*ONE_RANK, *TINY_GPT, "train.seq_len=16", "checkpoint=full", f"hydra.run.dir={run}"]
+    check_ok(run_cli([*args, "train.steps=2", "model.tie_embeddings=false"], cli_env, REPO))
+    meta_file = run / "checkpoints" / "step_2" / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    for model in (meta["model"], meta["config"]["model"]):
+        del model["bias"], model["tie_embeddings"]
+    meta_file.write_text(json.dumps(meta))
+    before = sorted(p.name for p in run.rglob("*"))
+    refused = run_cli([*args, "train.steps=3"], cli_env, REPO)
+    out = refused.stdout + refused.stderr
+    assert refused.returncode != 0 and "Traceback" not in out
+    assert "model.tie_embeddings: saved False (saved before the key existed), configured True" in out, out
+    assert "Fix: model.tie_embeddings=false to continue as saved" in out and "model.bias" not in out, out
+    assert sorted(p.name for p in run.rglob("*")) == before
+    check_ok(run_cli([*args, "train.steps=3", "model.tie_embeddings=false"], cli_env, REPO))
+    model = saved_state(run / "checkpoints" / "step_3", tmp_path)["model"]
+    assert not torch.equal(model["head.weight"], model["tok_emb.weight"])
+    # a GPT has no Hugging Face layout: the export (and generate, through it) refuses it, old or new
+    export = [sys.executable, "-m", "harness.export", str(run / "checkpoints" / "step_2"), str(tmp_path / "hf")]
+    proc = subprocess.run(export, env=cli_env, capture_output=True, text=True)
+    assert proc.returncode == 2 and "harness.models.GPT, which has no Hugging Face layout" in proc.stderr, proc.stderr
+
+
+@pytest.mark.slow
+def test_a_tied_gpt_resumes_bitwise_and_stays_tied(tmp_path, cli_env):
+    """nanoGPT's baby config (tied, no bias) logs nanoGPT's parameter count; stopped at step 2
+    (sharded) and resumed to 4, it ends bitwise where a run that never stopped ends, with the
+    head still the token table."""
+    args = [*ONE_RANK, *BABY_GPT, "checkpoint=sharded", "checkpoint.interval=2"]
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    check_ok(run_cli([*args, "train.steps=4", f"hydra.run.dir={straight}"], cli_env, REPO))
+    assert "828,544 parameters" in (straight / "train.log").read_text()
+    check_ok(run_cli([*args, "train.steps=2", f"hydra.run.dir={stopped}"], cli_env, REPO))
+    check_ok(run_cli([*args, "train.steps=4", f"hydra.run.dir={stopped}"], cli_env, REPO))
+    assert loss_by_step(stopped) == loss_by_step(straight)
+    state = saved_state(stopped / "checkpoints" / "step_4", tmp_path)
+    assert_bitwise_equal(state, saved_state(straight / "checkpoints" / "step_4", tmp_path))
+    assert torch.equal(state["model"]["head.weight"], state["model"]["tok_emb.weight"])
+
+
 @pytest.mark.slow
 def test_only_complete_checkpoints_count_and_leftovers_are_removed(tmp_path, cli_env):
     run = tmp_path / "run"

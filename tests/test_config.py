@@ -819,3 +819,46 @@ def test_an_old_checkpoint_resumed_by_the_new_default_is_refused_before_any_rank
         validate_and_preflight(make(f"checkpoint.resume={tmp_path}/old/step_5"), tmp_path / "run")
     resume = f"checkpoint.resume={tmp_path}/old/step_5"
     validate_and_preflight(make(resume, "optimizer.decay_1d=true"), tmp_path / "run")
+
+
+# -- GPT checkpoints saved before model.bias and model.tie_embeddings (check_compatible) --------
+
+GPT_RESUMES = [  # (id, resumed with, texts of the refusal or None: it resumes as saved, biases and an untied head)
+    (
+        "new default",
+        [],
+        [
+            "model.tie_embeddings: saved False (saved before the key existed), configured True",
+            "Fix: model.tie_embeddings=false to continue as saved",
+        ],
+    ),
+    ("untied", ["model.tie_embeddings=false"], None),
+    (
+        "no bias",
+        ["model.tie_embeddings=false", "model.bias=false"],
+        ["model.bias: saved True (saved before the key existed), configured False", "Fix: model.bias=true to continue"],
+    ),
+    (
+        "another model",
+        ["model=mlp"],
+        ["model._target_: saved 'harness.models.GPT'", "Fix: set the model to the saved one"],
+    ),
+]
+
+
+@pytest.mark.parametrize("resumed_with,expected", [r[1:] for r in GPT_RESUMES], ids=[r[0] for r in GPT_RESUMES])
+def test_a_gpt_saved_before_bias_and_tie_embeddings_resumes_as_it_was_saved(resumed_with, expected, tmp_path):
+    """Such a checkpoint's meta.json lacks both keys; its model had biases and its own head.weight."""
+    from harness.checkpoint import check_compatible
+
+    meta = saved_meta("model.tie_embeddings=false")
+    for model in (meta["model"], meta["config"]["model"]):
+        del model["bias"], model["tie_embeddings"]
+    errors = check_compatible(meta, make(*resumed_with), tmp_path)
+    if expected is None:
+        assert errors == []
+        return
+    [error] = errors
+    for text in [*expected, "holds another model", "checkpoint.resume=never"]:
+        assert text in error, f"{text!r} not in:\n{error}"
+    assert "hidden: saved None (saved before" not in error  # a key the saved model never had is not filled

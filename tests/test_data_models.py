@@ -20,7 +20,7 @@ from harness import metrics
 from harness.config import register_configs
 from harness.data import TextTokens, TokenStream, build_data
 from harness.loop import evaluate
-from harness.models import Llama, build_model, materialize
+from harness.models import GPT, Llama, build_model, materialize, parameter_count
 from harness.models.llama import hf_name
 from harness.models.loss import lm_loss
 from harness.rng import seeded_generator
@@ -216,7 +216,9 @@ HF = dict(
     config_overrides=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4),
 )
 HF_TIED = {**HF, "config_overrides": {**HF["config_overrides"], "tie_word_embeddings": True}}
+GPT_TIED = dict(_target_="harness.models.GPT", n_layer=2, n_head=2, d_model=32, vocab_size=64, bias=False)
 LAYOUT_CASES = {"llama": LLAMA, "llama-tied": {**LLAMA, "tie_embeddings": True}, "hf-tied": HF_TIED}
+LAYOUT_CASES["gpt-tied-no-bias"] = GPT_TIED
 
 
 def ties(model) -> set[tuple[str, str]]:
@@ -384,3 +386,101 @@ def test_llama_presets_are_the_published_configs(preset, published, count):
     with torch.device("meta"):
         theirs = LlamaForCausalLM(config)
     assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in theirs.parameters()) == count
+
+
+# -- GPT: nanoGPT's model.py, GPT-2's architecture -------------------------------------
+
+# nanoGPT's CPU "baby" config (bias=False, tied) and GPT-2 small as nanoGPT trains it (bias, tied, vocabulary
+# 50,304), with the counts nanoGPT's model.py gives them: sum(p.numel() for p in model.parameters()), each once,
+# the position table included (its printed "number of parameters" is get_num_params(), without the table:
+# 0.82M and 123.69M)
+NANOGPT_CONFIGS = [
+    ("baby", ["model=gpt", "model.bias=false"], 64, 828_544, 820_352),
+    ("gpt2", ["model=gpt2"], 1024, 124_475_904, 123_689_472),
+]
+
+
+@pytest.mark.parametrize("name,overrides,seq_len,count,printed", NANOGPT_CONFIGS, ids=[c[0] for c in NANOGPT_CONFIGS])
+def test_gpt_counts_the_parameters_nanogpt_counts(name, overrides, seq_len, count, printed):
+    """Built on the meta device from the config a run composes (train.seq_len: nanoGPT's block_size),
+    the harness's GPT counts (and a run logs, `parameter_count`) nanoGPT's model.py's parameters."""
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        cfg = compose("config", overrides=[*overrides, f"train.seq_len={seq_len}"])
+    shape = (cfg.model.n_layer, cfg.model.n_head, cfg.model.d_model, cfg.model.vocab_size, cfg.model.bias)
+    assert shape == ((4, 4, 128, 256, False) if name == "baby" else (12, 12, 768, 50304, True))
+    assert cfg.model.tie_embeddings  # model=gpt's default, GPT-2's
+    model = build_model(cfg.model, cfg.train.seq_len)
+    assert parameter_count(model) == count
+    assert parameter_count(model) - model.pos_emb.weight.numel() == printed
+    assert model.head.weight is model.tok_emb.weight
+    untied = build_model(OmegaConf.merge(cfg.model, {"tie_embeddings": False}), seq_len)
+    assert parameter_count(untied) == count + cfg.model.vocab_size * cfg.model.d_model  # 163,109,376 for GPT-2
+
+
+def test_gpt_bias_and_tie_embeddings_shape_every_layer():
+    """bias=false: no Linear and no LayerNorm has a bias (nanoGPT's bias=False); tie_embeddings: the head's
+    weight is the token table, one parameter named once (`tok_emb.weight`) that a state dict holds under both
+    names, initialised once, N(0, 0.02); untied, the head is a parameter of its own."""
+    shape = dict(n_layer=2, n_head=2, d_model=16, vocab_size=32, seq_len=8)
+    with torch.device("meta"):
+        tied, untied = GPT(**shape, bias=False), GPT(**shape, tie_embeddings=False)
+        assert GPT(**shape, dropout=0.1).emb_dropout.p == 0.1  # nanoGPT's `drop` on the embeddings' sum
+    assert not [n for n, _ in tied.named_parameters() if n.endswith("bias")]
+    assert all(m.bias is None for m in tied.modules() if isinstance(m, (torch.nn.Linear, torch.nn.LayerNorm)))
+    assert {n for n, _ in untied.named_parameters() if n.endswith("bias")} >= {"ln_f.bias", "blocks.1.mlp.fc.bias"}
+    assert "head.weight" not in dict(tied.named_parameters()) and "head.weight" in tied.state_dict()
+    assert "head.weight" in dict(untied.named_parameters()) and untied.head.weight is not untied.tok_emb.weight
+    materialize(tied, CPU, seed=0)
+    assert tied.head.weight is tied.tok_emb.weight and 0.015 < tied.head.weight.std() < 0.025
+    tied.eval()(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long)).backward()
+    assert tied.tok_emb.weight.grad is not None  # the lookup's and the head's gradients, accumulated
+
+
+def test_gpt_flops_per_token_count_a_tied_head():
+    """The tie changes no matmul: a tied table is the head's weight, counted once, as the head."""
+    shape = dict(n_layer=2, n_head=2, d_model=16, vocab_size=32, seq_len=8)
+    with torch.device("meta"):
+        tied, untied = GPT(**shape), GPT(**shape, tie_embeddings=False)
+    assert tied.flops_per_token(8) == untied.flops_per_token(8)
+    outside_tables = parameter_count(tied) - tied.pos_emb.weight.numel()  # the head is the token table
+    assert tied.flops_per_token(8) == 6 * outside_tables + 12 * 2 * 16 * 8
+
+
+@pytest.mark.parametrize("bias,tie", [(True, True), (True, False), (False, True)], ids=["gpt2", "untied", "no-bias"])
+def test_gpt_gives_the_logits_of_transformers_gpt2_with_the_same_weights(bias, tie):
+    """The independent check that ours is GPT-2's architecture: every weight drawn at random, copied
+    into transformers' GPT2LMHeadModel (its Conv1D weights are the transpose of a Linear's; a model
+    without biases is GPT-2 with zero biases), and the logits agree to float32 rounding. GELU is the
+    exact one, as nanoGPT's nn.GELU() (GPT-2's own checkpoints use the tanh approximation, gelu_new)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    vocab, d, n_layer, n_head, seq = 96, 32, 2, 4, 24
+    ours = GPT(n_layer, n_head, d, vocab, seq_len=seq, bias=bias, tie_embeddings=tie)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.2 + (1 if p.dim() == 1 else 0))
+    config = GPT2Config(vocab_size=vocab, n_positions=seq, n_embd=d, n_layer=n_layer, n_head=n_head)
+    config.update(dict(activation_function="gelu", tie_word_embeddings=tie, resid_pdrop=0.0, embd_pdrop=0.0))
+    config.attn_pdrop = 0.0
+    theirs = GPT2LMHeadModel(config).eval()
+    names = {"ln_attn": "ln_1", "attn.qkv": "attn.c_attn", "attn.out_proj": "attn.c_proj", "ln_mlp": "ln_2"}
+    names.update({"mlp.fc": "mlp.c_fc", "mlp.out_proj": "mlp.c_proj"})
+    state = ours.state_dict()
+    with torch.no_grad():
+        for name, param in theirs.named_parameters():
+            fqn = name.removeprefix("transformer.").replace("wte", "tok_emb").replace("wpe", "pos_emb")
+            fqn = fqn.replace("lm_head", "head").replace("h.", "blocks.", 1)
+            for theirs_name, ours_name in ((v, k) for k, v in names.items()):
+                fqn = fqn.replace(theirs_name, ours_name)
+            assert fqn in state or (not bias and fqn.endswith("bias")), name
+            value = state.get(fqn, torch.zeros(param.shape))  # no bias: a zero one
+            param.copy_(value.t() if name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")) else value)
+    assert (theirs.lm_head.weight is theirs.transformer.wte.weight) == tie
+    logits = []
+    ours.head.register_forward_hook(lambda module, args, out: logits.append(out))
+    tokens = torch.randint(vocab, (3, seq), generator=generator)
+    ours.eval()(tokens, tokens)
+    with torch.no_grad():
+        expected = theirs(input_ids=tokens).logits
+    torch.testing.assert_close(logits[0].detach(), expected, rtol=1e-5, atol=1e-5)

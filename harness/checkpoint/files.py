@@ -36,10 +36,13 @@ from harness.config import decays_matrices_only
 log = logging.getLogger(__name__)
 
 RNG_FILE = "rng.pt"
-# model configs in meta.json before components were chosen by `_target_`
 # model keys that change no parameter: a run may resume with another value
 SHAPE_FREE_MODEL_KEYS = {"dropout", "activation_checkpointing", "init_from"}  # weights come from the checkpoint
+# model configs in meta.json before components were chosen by `_target_`
 LEGACY_MODEL_NAMES = {"gpt": "harness.models.GPT", "mlp": "harness.models.TokenMLP"}
+# model keys added since, with what every model saved before the key existed had: a GPT had biases
+# and an untied head (its own `head.weight`) before model.bias and model.tie_embeddings
+LEGACY_MODEL_KEYS = {"harness.models.GPT": {"bias": True, "tie_embeddings": False}}
 
 
 class CheckpointError(RuntimeError):
@@ -79,23 +82,40 @@ def read_meta(path: Path) -> dict:
         raise unreadable(path, f"{META} is unreadable ({e}); the checkpoint is corrupt", RESUME_FIX) from None
 
 
+def saved_model_config(model: dict) -> dict:
+    """A model config as meta.json records it, in today's keys: `_target_` for a legacy name, and
+    each key added since (`LEGACY_MODEL_KEYS`) with the value the model was saved with."""
+    model = dict(model)
+    if "name" in model and "_target_" not in model:
+        model["_target_"] = LEGACY_MODEL_NAMES.get(model.pop("name"))
+    return {**LEGACY_MODEL_KEYS.get(model.get("_target_"), {}), **model}
+
+
 def check_compatible(meta: dict, cfg: DictConfig, path: Path) -> list[str]:
     """Why the checkpoint at `path` cannot resume the run configured by `cfg` (empty: it can)."""
     errors = []
-    saved_model = dict(meta["model"])
-    if "name" in saved_model and "_target_" not in saved_model:
-        saved_model["_target_"] = LEGACY_MODEL_NAMES.get(saved_model.pop("name"))
+    saved_model = saved_model_config(meta["model"])
     model = OmegaConf.to_container(cfg.model, resolve=True)
-    diffs = [
-        f"model.{k}: saved {saved_model.get(k)!r}, configured {model.get(k)!r}"
-        for k in sorted((set(saved_model) | set(model)) - SHAPE_FREE_MODEL_KEYS)
-        if saved_model.get(k) != model.get(k)
+    differ = [
+        k for k in sorted((set(saved_model) | set(model)) - SHAPE_FREE_MODEL_KEYS) if saved_model.get(k) != model.get(k)
     ]
-    if diffs:
+    if differ:
+        # a checkpoint saved before a key existed loads as saved with the key at the value it then had
+        filled = set(saved_model) - set(meta["model"]) - {"_target_"}
+        diffs = [
+            f"model.{k}: saved {saved_model.get(k)!r}{' (saved before the key existed)' if k in filled else ''}, "
+            f"configured {model.get(k)!r}"
+            for k in differ
+        ]
+        scalars = all(isinstance(saved_model.get(k), (bool, int, float, str)) for k in differ)
+        as_saved = (
+            f"{' '.join(f'model.{k}={_override(saved_model[k])}' for k in differ)} to continue as saved"
+            if scalars and "_target_" not in differ
+            else "set the model to the saved one (the overrides above)"
+        )
         errors.append(
             f"checkpoint.resume: the checkpoint at {str(path)!r} holds another model ({'; '.join(diffs)}). "
-            "Fix: set the model to the saved one (the overrides above), or checkpoint.resume=never "
-            "with a new hydra.run.dir to start fresh."
+            f"Fix: {as_saved}, or checkpoint.resume=never with a new hydra.run.dir to start fresh."
         )
     if meta["optimizer"] != cfg.optimizer._target_:
         errors.append(
@@ -104,6 +124,11 @@ def check_compatible(meta: dict, cfg: DictConfig, path: Path) -> list[str]:
             "checkpoint.resume=never with a new hydra.run.dir."
         )
     return errors + _decay_group_errors(meta.get("config") or {}, cfg, path) + _clock_errors(meta, cfg, path)
+
+
+def _override(value) -> str:
+    """A scalar config value as a command-line override writes it."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _clock_errors(meta: dict, cfg: DictConfig, path: Path) -> list[str]:

@@ -43,7 +43,17 @@ from harness.models.hf_weights import load_hf_weights
 from harness.models.llama import Llama
 from harness.rng import seeded_generator
 
-__all__ = ["GPT", "HARNESS_KEYS", "HFCausalLM", "Llama", "TokenLM", "TokenMLP", "build_model", "materialize"]
+__all__ = [
+    "GPT",
+    "HARNESS_KEYS",
+    "HFCausalLM",
+    "Llama",
+    "TokenLM",
+    "TokenMLP",
+    "build_model",
+    "materialize",
+    "parameter_count",
+]
 
 # model-group keys the harness applies to any model (harness.sharding), not arguments of the class
 HARNESS_KEYS = ("activation_checkpointing", "init_from")
@@ -54,6 +64,13 @@ def build_model(cfg: DictConfig, seq_len: int) -> nn.Module:
     spec = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k not in HARNESS_KEYS}
     with torch.device("meta"):
         return instantiate(spec, _partial_=True, _convert_="all")(seq_len=seq_len)
+
+
+def parameter_count(model: nn.Module) -> int:
+    """What the run logs as its parameters: each one once (a tied table once), whole under any
+    sharding (a DTensor's numel is the full tensor's), position tables included: nanoGPT's
+    `get_num_params(non_embedding=False)` (nanoGPT prints the default, without its position table)."""
+    return sum(p.numel() for p in model.parameters())
 
 
 @torch.no_grad()

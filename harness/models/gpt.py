@@ -1,4 +1,5 @@
-"""A small GPT-style decoder LM and a tiny token MLP for fast tests (the
+"""A GPT decoder LM - nanoGPT's `model.py` GPT, and so GPT-2's architecture,
+with `bias` and `tie_embeddings` - and a tiny token MLP for fast tests (the
 protocol they follow: harness/models/__init__.py)."""
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ from harness.models.loss import lm_loss
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, d_model: int, n_head: int, dropout: float):
+    def __init__(self, d_model: int, n_head: int, dropout: float, bias: bool = True):
         super().__init__()
         self.n_head, self.dropout = n_head, dropout
-        self.qkv = nn.Linear(d_model, 3 * d_model)
-        self.out_proj = nn.Linear(d_model, d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
+        self.out_proj = nn.Linear(d_model, d_model, bias=bias)
         self.residual_dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -29,10 +30,10 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, d_model: int, hidden: int, dropout: float):
+    def __init__(self, d_model: int, hidden: int, dropout: float, bias: bool = True):
         super().__init__()
-        self.fc = nn.Linear(d_model, hidden)
-        self.out_proj = nn.Linear(hidden, d_model)
+        self.fc = nn.Linear(d_model, hidden, bias=bias)
+        self.out_proj = nn.Linear(hidden, d_model, bias=bias)
         self.residual_dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -40,12 +41,12 @@ class MLP(nn.Module):
 
 
 class GPTBlock(nn.Module):
-    def __init__(self, d_model: int, n_head: int, dropout: float):
+    def __init__(self, d_model: int, n_head: int, dropout: float, bias: bool = True):
         super().__init__()
-        self.ln_attn = nn.LayerNorm(d_model)
-        self.attn = CausalSelfAttention(d_model, n_head, dropout)
-        self.ln_mlp = nn.LayerNorm(d_model)
-        self.mlp = MLP(d_model, 4 * d_model, dropout)
+        self.ln_attn = nn.LayerNorm(d_model, bias=bias)
+        self.attn = CausalSelfAttention(d_model, n_head, dropout, bias)
+        self.ln_mlp = nn.LayerNorm(d_model, bias=bias)
+        self.mlp = MLP(d_model, 4 * d_model, dropout, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_attn(x))
@@ -63,22 +64,40 @@ class MLPBlock(nn.Module):
 
 
 class TokenLM(nn.Module):
-    """Embeddings -> blocks -> final norm -> head; returns mean cross-entropy."""
+    """Embeddings (dropped out at `embedding_dropout`) -> blocks -> final norm -> head (never a
+    bias, as nanoGPT's); returns mean cross-entropy. `bias`: the final norm's; `tie_embeddings`: the
+    head's weight is the token embedding table (one parameter, named `tok_emb.weight` first, as
+    nanoGPT's `wte`)."""
 
-    def __init__(self, vocab_size: int, d_model: int, blocks: list[nn.Module], seq_len: int | None):
+    def __init__(
+        self,
+        vocab_size: int,
+        d_model: int,
+        blocks: list[nn.Module],
+        seq_len: int | None,
+        bias: bool = True,
+        tie_embeddings: bool = False,
+        embedding_dropout: float = 0.0,
+    ):
         super().__init__()
         self.tok_emb = nn.Embedding(vocab_size, d_model)
         self.pos_emb = nn.Embedding(seq_len, d_model) if seq_len else None
+        self.emb_dropout = nn.Dropout(embedding_dropout)  # p=0 dispatches nothing
         self.blocks = nn.ModuleList(blocks)
-        self.ln_f = nn.LayerNorm(d_model)
+        self.ln_f = nn.LayerNorm(d_model, bias=bias)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
+        if tie_embeddings:
+            self.head.weight = self.tok_emb.weight
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token, torchtitan's count: 6 per parameter outside
-        the embeddings (lookups are not matmuls; biases and norm weights are
+        the embedding tables (lookups are not matmuls; biases and norm weights are
         counted too, as torchtitan does: a rounding error next to the matrices)
-        plus causal attention's 12 * layers * d_model * seq_len."""
-        weights = sum(p.numel() for name, p in self.named_parameters() if "emb" not in name.split(".")[0])
+        plus causal attention's 12 * layers * d_model * seq_len. A token table
+        tied to the head is the head's matmul too, so it counts then."""
+        tables = [emb.weight for emb in (self.tok_emb, self.pos_emb) if emb is not None]
+        weights = sum(p.numel() for p in self.parameters())
+        weights -= sum(table.numel() for table in tables if table is not self.head.weight)
         attention_layers = sum(isinstance(block, GPTBlock) for block in self.blocks)
         return 6 * weights + 12 * attention_layers * self.ln_f.normalized_shape[0] * seq_len
 
@@ -97,6 +116,7 @@ class TokenLM(nn.Module):
         x = self.tok_emb(tokens)
         if self.pos_emb is not None:
             x = x + self.pos_emb(torch.arange(tokens.shape[1], device=tokens.device))
+        x = self.emb_dropout(x)
         for block in self.blocks:
             x = block(x)
         return self.output_loss(x, targets)
@@ -107,10 +127,23 @@ class TokenLM(nn.Module):
 
 
 class GPT(TokenLM):
-    """Pre-norm GPT decoder: learned positions, causal attention, 4x MLP;
-    attention and residual dropout as nanoGPT's."""
+    """Pre-norm GPT decoder, nanoGPT's `model.py` GPT: learned positions, causal
+    attention, 4x exact-GELU MLP; embedding, attention and residual dropout as nanoGPT's.
+    `bias`: biases in every Linear and LayerNorm (GPT-2's; nanoGPT's `bias`);
+    `tie_embeddings`: the output head is the token embedding table (GPT-2's and
+    nanoGPT's). Both true by default: GPT-2's shape."""
 
-    def __init__(self, n_layer: int, n_head: int, d_model: int, vocab_size: int, seq_len: int, dropout: float = 0.0):
+    def __init__(
+        self,
+        n_layer: int,
+        n_head: int,
+        d_model: int,
+        vocab_size: int,
+        seq_len: int,
+        dropout: float = 0.0,
+        bias: bool = True,
+        tie_embeddings: bool = True,
+    ):
         require_positive(n_layer=n_layer, n_head=n_head, d_model=d_model, vocab_size=vocab_size)
         require_probability(dropout)
         if d_model % n_head:
@@ -118,7 +151,8 @@ class GPT(TokenLM):
                 f"model.d_model={d_model} is not divisible by model.n_head={n_head}. "
                 f"Fix: pick n_head dividing d_model, e.g. model.n_head={nearest_divisor(d_model, n_head)}."
             )
-        super().__init__(vocab_size, d_model, [GPTBlock(d_model, n_head, dropout) for _ in range(n_layer)], seq_len)
+        blocks = [GPTBlock(d_model, n_head, dropout, bias) for _ in range(n_layer)]
+        super().__init__(vocab_size, d_model, blocks, seq_len, bias, tie_embeddings, embedding_dropout=dropout)
 
 
 class TokenMLP(TokenLM):
