@@ -200,10 +200,10 @@ def plain_tensors(state):
 
     Where FSDP2 all-gathers a weight in float8, its local shard is torchao's WeightWithDynamicFloat8CastTensor,
     a wrapper around the high-precision tensor. Written as is, DCP pickles the wrapper (a checkpoint only a
-    process with torchao can read) and an async save's staging copies the wrapper, not the values it wraps
-    (the checkpoint then held the next step's values). Checkpoints write and read the wrapped tensor
-    instead, which shares its storage (a load in place lands in the weight): a plain tensor in its dtype,
-    the same as a run without float8 holds.
+    process with torchao can read), and an async save's stager copies the wrapper's own storage, which holds
+    nothing: the checkpoint held uninitialised memory (2e24 and zeros; its resume's loss was NaN).
+    Checkpoints write and read the wrapped tensor instead, which shares its storage (a load in place lands in
+    the weight): a plain tensor in its dtype, the same as a run without float8 holds.
     """
     fsdp_utils = sys.modules.get("torchao.float8.fsdp_utils")
     if fsdp_utils is None:  # no float8 weight in this process
