@@ -4,7 +4,8 @@
 
 `out` gets safetensors (DCP's Hugging Face storage writer) and the config.json
 that `transformers.AutoModelForCausalLM.from_pretrained` loads, for models with
-Hugging Face's layout (`model=llama`, `model=hf`). The checkpoint is read the
+Hugging Face's layout (`model=gpt` as GPT-2's `GPT2LMHeadModel`, `model=llama`,
+`model=hf`). The checkpoint is read the
 way a resume on one process reads it (harness.checkpoint.load), so `full` and
 `sharded` checkpoints both export; replicas that had diverged (post-local SGD,
 DiLoCo) export as their mean, and the command says so. A fault-tolerant run's
@@ -180,10 +181,10 @@ def _export(paths: list[Path], out: Path) -> dict:
     env = init_distributed("cpu", cfg.dist.timeout_s, None)
     try:
         job = build_job(cfg, env, RunPlan(1, 1, 1, averaging=False, resume_from=path))
-        if not hasattr(job.model, "hf_names"):
+        if not hasattr(job.model, "hf_config"):
             raise ConfigError(
                 f"checkpoint {str(path)!r} holds model {cfg.model._target_}, which has no Hugging Face layout. "
-                "Fix: export runs of model=llama or model=hf."
+                "Fix: export runs of model=gpt, model=llama or model=hf."
             )
         # the loader speaks to a resumed run ("this run has 1 rank: RNG states not restored"); the
         # export says itself what it wrote (the mean of diverged replicas)

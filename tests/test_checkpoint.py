@@ -276,7 +276,8 @@ def test_a_gpt_checkpoint_saved_before_tie_embeddings_resumes_only_untied(tmp_pa
     tie_embeddings=false and both keys dropped from its meta.json, which is all
     that differs. The new default, a tied head (a load would keep one of the two
     tables, silently), is refused before any rank starts, naming the key, and
-    writes nothing; `model.tie_embeddings=false` continues it, head and table apart."""
+    writes nothing; `model.tie_embeddings=false` continues it, head and table apart. It exports
+    as saved: an untied GPT-2 checkpoint."""
     run = tmp_path / "run"
     args = [*ONE_RANK, *TINY_GPT, "train.seq_len=16", "checkpoint=full", f"hydra.run.dir={run}"]
     check_ok(run_cli([*args, "train.steps=2", "model.tie_embeddings=false"], cli_env, REPO))
@@ -295,10 +296,23 @@ def test_a_gpt_checkpoint_saved_before_tie_embeddings_resumes_only_untied(tmp_pa
     check_ok(run_cli([*args, "train.steps=3", "model.tie_embeddings=false"], cli_env, REPO))
     model = saved_state(run / "checkpoints" / "step_3", tmp_path)["model"]
     assert not torch.equal(model["head.weight"], model["tok_emb.weight"])
-    # a GPT has no Hugging Face layout: the export (and generate, through it) refuses it, old or new
+    # the old checkpoint exports as it was saved (untied, biases): transformers' GPT2LMHeadModel loads
+    # it and gives the logits of the harness's GPT holding its weights
+    from transformers import GPT2LMHeadModel
+
+    from harness.models import GPT
+
     export = [sys.executable, "-m", "harness.export", str(run / "checkpoints" / "step_2"), str(tmp_path / "hf")]
-    proc = subprocess.run(export, env=cli_env, capture_output=True, text=True)
-    assert proc.returncode == 2 and "harness.models.GPT, which has no Hugging Face layout" in proc.stderr, proc.stderr
+    check_ok(subprocess.run(export, env=cli_env, capture_output=True, text=True))
+    theirs = GPT2LMHeadModel.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    assert not theirs.config.tie_word_embeddings
+    ours = GPT(n_layer=1, n_head=2, d_model=32, vocab_size=256, seq_len=16, tie_embeddings=False).eval()
+    ours.load_state_dict(saved_state(run / "checkpoints" / "step_2", tmp_path)["model"])
+    logits, tokens = [], torch.randint(256, (2, 16), generator=torch.Generator().manual_seed(0))
+    ours.head.register_forward_hook(lambda module, args, out: logits.append(out))
+    with torch.no_grad():
+        ours(tokens, tokens)
+        torch.testing.assert_close(logits[0], theirs(input_ids=tokens).logits, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow

@@ -21,6 +21,7 @@ from harness.config import register_configs
 from harness.data import TextTokens, TokenStream, build_data
 from harness.loop import evaluate
 from harness.models import GPT, Llama, build_model, materialize, parameter_count
+from harness.models.hf_weights import save_hf_weights
 from harness.models.llama import hf_name
 from harness.models.loss import lm_loss
 from harness.rng import seeded_generator
@@ -446,13 +447,18 @@ def test_gpt_flops_per_token_count_a_tied_head():
     assert tied.flops_per_token(8) == 6 * outside_tables + 12 * 2 * 16 * 8
 
 
-@pytest.mark.parametrize("bias,tie", [(True, True), (True, False), (False, True)], ids=["gpt2", "untied", "no-bias"])
-def test_gpt_gives_the_logits_of_transformers_gpt2_with_the_same_weights(bias, tie):
-    """The independent check that ours is GPT-2's architecture: every weight drawn at random, copied
-    into transformers' GPT2LMHeadModel (its Conv1D weights are the transpose of a Linear's; a model
-    without biases is GPT-2 with zero biases), and the logits agree to float32 rounding. GELU is the
-    exact one, as nanoGPT's nn.GELU() (GPT-2's own checkpoints use the tanh approximation, gelu_new)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+GPT_SHAPES = [(True, True), (True, False), (False, True), (False, False)]
+
+
+@pytest.mark.parametrize("bias,tie", GPT_SHAPES, ids=["gpt2", "untied", "no-bias", "no-bias-untied"])
+def test_gpt_exports_as_transformers_gpt2_with_its_logits(bias, tie, tmp_path):
+    """The independent check that ours is GPT-2's architecture, and that its export is GPT-2's
+    checkpoint: every weight drawn at random, written by the writer `harness.export` uses
+    (GPT-2's names, Conv1D weights transposed, zero biases for a model without them, config.json
+    with the exact GELU), loaded by transformers' GPT2LMHeadModel with no key missing or left
+    over, and the logits agree to float32 rounding (GPT-2's own checkpoints use the tanh GELU,
+    gelu_new, which would not)."""
+    from transformers import GPT2LMHeadModel
 
     vocab, d, n_layer, n_head, seq = 96, 32, 2, 4, 24
     ours = GPT(n_layer, n_head, d, vocab, seq_len=seq, bias=bias, tie_embeddings=tie)
@@ -460,27 +466,18 @@ def test_gpt_gives_the_logits_of_transformers_gpt2_with_the_same_weights(bias, t
     with torch.no_grad():
         for p in ours.parameters():
             p.copy_(torch.randn(p.shape, generator=generator) * 0.2 + (1 if p.dim() == 1 else 0))
-    config = GPT2Config(vocab_size=vocab, n_positions=seq, n_embd=d, n_layer=n_layer, n_head=n_head)
-    config.update(dict(activation_function="gelu", tie_word_embeddings=tie, resid_pdrop=0.0, embd_pdrop=0.0))
-    config.attn_pdrop = 0.0
-    theirs = GPT2LMHeadModel(config).eval()
-    names = {"ln_attn": "ln_1", "attn.qkv": "attn.c_attn", "attn.out_proj": "attn.c_proj", "ln_mlp": "ln_2"}
-    names.update({"mlp.fc": "mlp.c_fc", "mlp.out_proj": "mlp.c_proj"})
-    state = ours.state_dict()
-    with torch.no_grad():
-        for name, param in theirs.named_parameters():
-            fqn = name.removeprefix("transformer.").replace("wte", "tok_emb").replace("wpe", "pos_emb")
-            fqn = fqn.replace("lm_head", "head").replace("h.", "blocks.", 1)
-            for theirs_name, ours_name in ((v, k) for k, v in names.items()):
-                fqn = fqn.replace(theirs_name, ours_name)
-            assert fqn in state or (not bias and fqn.endswith("bias")), name
-            value = state.get(fqn, torch.zeros(param.shape))  # no bias: a zero one
-            param.copy_(value.t() if name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")) else value)
+    save_hf_weights(ours.eval(), tmp_path / "hf")
+    theirs, loading = GPT2LMHeadModel.from_pretrained(tmp_path / "hf", dtype=torch.float32, output_loading_info=True)
+    assert not any(loading.values()), loading
+    config = theirs.config
+    shape = config.n_positions, config.n_embd, config.n_layer, config.n_head, config.vocab_size
+    assert shape == (seq, d, n_layer, n_head, vocab)
+    assert (config.activation_function, config.layer_norm_epsilon, config.tie_word_embeddings) == ("gelu", 1e-5, tie)
     assert (theirs.lm_head.weight is theirs.transformer.wte.weight) == tie
     logits = []
     ours.head.register_forward_hook(lambda module, args, out: logits.append(out))
     tokens = torch.randint(vocab, (3, seq), generator=generator)
-    ours.eval()(tokens, tokens)
     with torch.no_grad():
-        expected = theirs(input_ids=tokens).logits
-    torch.testing.assert_close(logits[0].detach(), expected, rtol=1e-5, atol=1e-5)
+        ours(tokens, tokens)
+        expected = theirs.eval()(input_ids=tokens).logits
+    torch.testing.assert_close(logits[0], expected, rtol=1e-5, atol=1e-5)

@@ -21,7 +21,10 @@ the layout. A model
 A model with Hugging Face's layout also gives `hf_names()` (its parameter names
 to transformers' names) and `hf_config()` (the config.json that describes it):
 harness/models/hf_weights.py reads (`model.init_from`) and writes
-(`harness.export`) safetensors through them.
+(`harness.export`) safetensors through them. A model whose tensors transformers
+holds otherwise gives `hf_tensors()` (transformers' names to the tensors to
+write) in place of `hf_names()`, and is exported only (GPT: GPT-2's Conv1D
+weights are transposed, and a model without biases has zero ones).
 
 Members: `GPT` and `TokenMLP` (gpt.py), `Llama` (llama.py), `HFCausalLM`
 (hf.py: any transformers causal LM).

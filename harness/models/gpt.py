@@ -154,6 +154,54 @@ class GPT(TokenLM):
         blocks = [GPTBlock(d_model, n_head, dropout, bias) for _ in range(n_layer)]
         super().__init__(vocab_size, d_model, blocks, seq_len, bias, tie_embeddings, embedding_dropout=dropout)
 
+    def hf_tensors(self) -> dict[str, torch.Tensor]:
+        """What transformers' GPT2LMHeadModel holds for this model, under its names (what
+        `harness.export` writes): the Linear weights in blocks transposed (GPT-2's Conv1D stores
+        [in, out]), a zero bias for each Linear and LayerNorm built without one (GPT-2 always has
+        them; zero computes the same), a tied table once (as the embedding)."""
+        tensors = {}
+        for fqn, module in self.named_modules():
+            if not isinstance(module, (nn.Embedding, nn.Linear, nn.LayerNorm)):
+                continue
+            weight, name = module.weight.detach(), gpt2_name(fqn)
+            if module is self.head:
+                if module.weight is not self.tok_emb.weight:
+                    tensors[f"{name}.weight"] = weight
+            elif isinstance(module, nn.Embedding):
+                tensors[f"{name}.weight"] = weight
+            else:
+                linear = isinstance(module, nn.Linear)
+                tensors[f"{name}.weight"] = weight.t().contiguous() if linear else weight
+                shape = module.out_features if linear else module.normalized_shape
+                bias = module.bias
+                tensors[f"{name}.bias"] = torch.zeros(shape, dtype=weight.dtype) if bias is None else bias.detach()
+        return tensors
+
+    def hf_config(self) -> dict:
+        """The config.json of the same model in transformers (GPT2Config's keys): exact GELU
+        ("gelu"; GPT-2's own checkpoints use "gelu_new"), nn.LayerNorm's epsilon, the run's dropout."""
+        attention = self.blocks[0].attn
+        return {
+            "architectures": ["GPT2LMHeadModel"],
+            "model_type": "gpt2",
+            "vocab_size": self.tok_emb.num_embeddings,
+            "n_positions": self.pos_emb.num_embeddings,
+            "n_embd": self.tok_emb.embedding_dim,
+            "n_layer": len(self.blocks),
+            "n_head": attention.n_head,
+            "n_inner": self.blocks[0].mlp.fc.out_features,
+            "activation_function": "gelu",
+            "layer_norm_epsilon": self.ln_f.eps,
+            "resid_pdrop": attention.residual_dropout.p,
+            "embd_pdrop": self.emb_dropout.p,
+            "attn_pdrop": attention.dropout,
+            "tie_word_embeddings": self.head.weight is self.tok_emb.weight,
+            # GPT2Config's defaults are GPT-2's tokenizer's (50256); the export sets the run's tokenizer's
+            "bos_token_id": None,
+            "eos_token_id": None,
+            "dtype": "float32",
+        }
+
 
 class TokenMLP(TokenLM):
     """Residual MLP blocks over token embeddings (no attention, no positions): the fast test model."""
@@ -165,3 +213,27 @@ class TokenMLP(TokenLM):
         require_probability(dropout)
         blocks = [MLPBlock(d_model, hidden, dropout) for _ in range(n_layer)]
         super().__init__(vocab_size, d_model, blocks, seq_len=None)
+
+
+GPT2_NAMES = {  # our module names' parts as transformers' GPT2LMHeadModel spells them
+    "tok_emb": "transformer.wte",
+    "pos_emb": "transformer.wpe",
+    "blocks": "transformer.h",
+    "ln_f": "transformer.ln_f",
+    "head": "lm_head",
+    "ln_attn": "ln_1",
+    "attn.qkv": "attn.c_attn",
+    "attn.out_proj": "attn.c_proj",
+    "ln_mlp": "ln_2",
+    "mlp.fc": "mlp.c_fc",
+    "mlp.out_proj": "mlp.c_proj",
+}
+
+
+def gpt2_name(fqn: str) -> str:
+    """A GPT module's name in transformers' GPT2LMHeadModel (`blocks.0.attn.qkv` -> `transformer.h.0.attn.c_attn`)."""
+    top, _, rest = fqn.partition(".")
+    if top != "blocks":
+        return GPT2_NAMES[fqn]
+    layer, _, inner = rest.partition(".")
+    return f"{GPT2_NAMES[top]}.{layer}.{GPT2_NAMES[inner]}"

@@ -4,7 +4,9 @@ into a (sharded) model, every rank only the slices its shards hold;
 `harness.export` writes one with the config.json transformers loads.
 
 A model takes part through `hf_names()` (its parameters' names in
-transformers) and `hf_config()` (harness/models/__init__.py).
+transformers) and `hf_config()` (harness/models/__init__.py); one whose
+tensors transformers holds otherwise (GPT: GPT-2's transposed Conv1D weights)
+gives `hf_tensors()` instead of `hf_names()`, and is exported only.
 """
 
 from __future__ import annotations
@@ -30,6 +32,12 @@ def hf_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's parameters under transformers' names (sharing storage: DCP reads into them in place)."""
     params = dict(model.named_parameters())
     return {hf: params[fqn].detach() for fqn, hf in model.hf_names().items()}
+
+
+def hf_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What `save_hf_weights` writes: the model's `hf_tensors()` (transformers' tensors computed from
+    its parameters), else its parameters under transformers' names."""
+    return model.hf_tensors() if hasattr(model, "hf_tensors") else hf_state(model)
 
 
 def init_from_errors(model: nn.Module, init_from: str) -> list[str]:
@@ -124,7 +132,7 @@ def save_hf_weights(model: nn.Module, out: Path, notes: dict[str, dict | bytes] 
     content, or the file's bytes). Written into a sibling directory and renamed, so `out` is whole or absent."""
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
-    state = {hf: t.full_tensor() if isinstance(t, DTensor) else t for hf, t in hf_state(model).items()}
+    state = {hf: t.full_tensor() if isinstance(t, DTensor) else t for hf, t in hf_tensors(model).items()}
     dcp.save(state, storage_writer=dcp.HuggingFaceStorageWriter(str(partial)))
     for name, content in {"config.json": model.hf_config(), **(notes or {})}.items():
         data = content if isinstance(content, bytes) else (json.dumps(content, indent=2) + "\n").encode()
