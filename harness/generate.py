@@ -77,6 +77,14 @@ def generate(model_dir: Path, prompt: str, max_new_tokens: int, temperature: flo
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     inputs = tokenizer(prompt, return_tensors="pt")
+    positions = getattr(model.config, "n_positions", None)  # a learned position table (GPT-2's): none past it
+    length = inputs.input_ids.shape[1]
+    if positions is not None and length + max_new_tokens > positions:
+        room = f"max_new_tokens={positions - length}" if length < positions else "a shorter prompt"
+        raise ConfigError(
+            f"the prompt ({length} tokens) and max_new_tokens={max_new_tokens} run past the model's {positions} "
+            f"positions (a GPT's: the run's train.seq_len). Fix: {room}."
+        )
     sample = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else {}
     torch.manual_seed(seed)
     with torch.no_grad():

@@ -238,6 +238,44 @@ def test_published_model_to_generated_text_with_no_hand_edits(tmp_path, cli_env)
     assert proc.returncode == 2 and "Fix: temperature=1 (the closest key)" in proc.stderr, proc.stderr
 
 
+def test_generate_continues_with_an_exported_gpt_as_the_harness_gpt_would(tmp_path, capsys):
+    """harness.generate on a GPT's export (GPT-2's layout, a BPE tokenizer beside it, as harness.export
+    writes them) prints the greedy continuation the harness's own GPT computes token by token; more
+    tokens than its position table holds (train.seq_len) are refused naming max_new_tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from harness.generate import main
+    from harness.models import GPT
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=280, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator([" ".join(WORDS)] * 4, trainer=trainer)
+    torch.manual_seed(0)
+    ours = GPT(n_layer=2, n_head=2, d_model=32, vocab_size=tokenizer.get_vocab_size(), seq_len=16).eval()
+    files = {
+        "tokenizer.json": tokenizer.to_str().encode(),
+        "tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast"},
+    }
+    save_hf_weights(ours, tmp_path / "out", notes=files)
+
+    ids, logits = tokenizer.encode("alpha beta").ids, []
+    ours.head.register_forward_hook(lambda module, args, out: logits.append(out))
+    with torch.no_grad():
+        for _ in range(6):
+            ours(torch.tensor([ids]), torch.tensor([ids]))
+            ids.append(int(logits[-1][0, -1].argmax()))
+    assert main([str(tmp_path / "out"), "prompt=alpha beta", "max_new_tokens=6"]) == 0
+    assert capsys.readouterr().out == tokenizer.decode(ids) + "\n"
+    assert main([str(tmp_path / "out"), "prompt=alpha beta"]) == 2  # 64 new tokens by default
+    prompt = len(tokenizer.encode("alpha beta").ids)
+    expected = (
+        f"run past the model's 16 positions (a GPT's: the run's train.seq_len). Fix: max_new_tokens={16 - prompt}."
+    )
+    assert expected in capsys.readouterr().err
+
+
 def zoo_config(family: str):
     """A tiny random config of each family the zoo covers (save_pretrained'd by the test)."""
     from transformers import GemmaConfig, LlamaConfig, Qwen2Config
@@ -328,6 +366,11 @@ def init_from_case(tmp_path: Path, case: str) -> list[str]:
     if case == "no hf layout":
         save_tiny_llama(tmp_path / "llama")
         return ["model=mlp", f"model.init_from={tmp_path / 'llama'}"]
+    if case == "gpt":  # a GPT's own export: model=gpt writes GPT-2's layout, and does not read it
+        gpt = build_model(make("model=gpt").model, seq_len=16)
+        materialize(gpt, CPU, seed=0)
+        save_hf_weights(gpt, tmp_path / "gpt")
+        return ["model=gpt", "train.seq_len=16", f"model.init_from={tmp_path / 'gpt'}"]
     if case == "config vocab":
         save_tiny_llama(tmp_path / "vocab")
         return ["model=hf", f"model.config={tmp_path / 'vocab'}", "model.vocab_size=512"]
@@ -380,6 +423,7 @@ INIT_FROM_CASES = [
     ("shape", ["tensor 'model.embed_tokens.weight' has shape [256, 64], the model's is [128, 64]", "Fix:"]),
     ("extra tensor", ["holds tensor 'lm_head.weight'", "model.tie_embeddings", "Fix:"]),
     ("no hf layout", ["model TokenMLP has no Hugging Face layout", "Fix: model=llama or model=hf"]),
+    ("gpt", ["model GPT is exported to Hugging Face's layout but does not read it", "Fix: model=llama or model=hf"]),
     ("config vocab", ["model.vocab_size=512 differs from", "vocab_size=256", "Fix: model.vocab_size=256"]),
     ("not a llama", ["Qwen2Config (model_type='qwen2'), not a Llama", "Fix: model=hf model.init_from="]),
     ("yarn", ["rope_type='yarn'", "Fix: model=hf model.init_from="]),

@@ -45,9 +45,15 @@ def init_from_errors(model: nn.Module, init_from: str) -> list[str]:
     directory, no safetensors, or a tensor the model lacks, misses or shapes otherwise (the first one)."""
     key = f"model.init_from={init_from!r}"
     if not hasattr(model, "hf_names"):
+        exported_only = hasattr(model, "hf_tensors")  # GPT: GPT-2's own checkpoints compute the tanh GELU
+        what = (
+            "is exported to Hugging Face's layout but does not read it"
+            if exported_only
+            else "has no Hugging Face layout to read weights into"
+        )
         return [
-            f"{key}: model {type(model).__name__} has no Hugging Face layout to read weights into. "
-            "Fix: model=llama or model=hf, or drop model.init_from."
+            f"{key}: model {type(model).__name__} {what}. Fix: model=llama or model=hf (transformers' own class for "
+            "the checkpoint, GPT-2's included), or drop model.init_from."
         ]
     path = os.path.expanduser(init_from)
     if not os.path.isdir(path):
