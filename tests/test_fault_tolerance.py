@@ -613,8 +613,13 @@ def test_a_run_whose_exchanges_never_commit_fails_naming_the_cause(tmp_path, fai
                 env=base_env(tmp_path), cwd=tmp_path, stdout=out, stderr=err, text=True,
             )  # fmt: skip
             log, deadline = tmp_path / "run" / "train.log", time.monotonic() + 300
-            if failing == "lighthouse":
-                while not (log.exists() and "step 10/" in log.read_text()) and time.monotonic() < deadline:
+            if failing == "lighthouse":  # once both groups have trained (a late one would find no lighthouse)
+                rows = [tmp_path / "run" / f"replica_group_{r}" / "metrics.jsonl" for r in (0, 1)]
+                while time.monotonic() < deadline and not (
+                    log.exists()
+                    and "step 10/" in log.read_text()
+                    and all(f.exists() and f.stat().st_size for f in rows)
+                ):
                     time.sleep(0.2)
                 lighthouse.kill()
             train.wait(timeout=300)
