@@ -592,7 +592,10 @@ def test_a_run_whose_exchanges_never_commit_fails_naming_the_cause(tmp_path, fai
         args += ["train.steps=6", "averager.warmup_steps=0", "averager.period=2", "fault_tolerance.timeout_s=0.001"]
         # a group left alone while the other restarts would commit its own exchanges: it waits for it instead
         args.append("fault_tolerance.min_replicas=2")
-        proc = run_train(args, tmp_path / "run", base_env(tmp_path), tmp_path)
+        # group 1's steps padded to 0.3 s: after each quorum group 0 reaches the exchange's all-reduce a step's time
+        # before it, so its 1 ms wait always fails (equal groups at times came within 1 ms, committed, and exited 0)
+        env = {**base_env(tmp_path), "HARNESS_TEST_SLOWDOWN": "1:0.3s"}
+        proc = run_train(args, tmp_path / "run", env, tmp_path)
         named = ["fault_tolerance: the run ended, and none of its", "fault_tolerance.timeout_s=0.001 s"]
     else:
         serve = (  # in a process of its own, to be SIGKILLed as when its machine dies
