@@ -71,6 +71,7 @@ def test_bench_smoke(script, tmp_path):
 BAD_ARGUMENTS = [
     ("gpu.py", ["--models", "gpt2"], ["--models gpt2: gpt2 is not one of this device's models", "Fix: --models gpt,"]),
     ("gpu.py", ["--count-steps", "0"], ["argument --count-steps: must be an integer >= 1, got '0'"]),
+    ("gpu.py", ["--float8", "fast"], ["argument --float8: invalid choice: 'fast'"]),
     (
         "overhead.py",
         ["--nproc", "0"],
