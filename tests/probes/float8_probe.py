@@ -22,31 +22,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from hydra import compose, initialize_config_dir
-from torch.distributed.checkpoint.state_dict import get_state_dict
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from harness.checkpoint import inner_optimizer  # noqa: E402
+from resume_probe import MODES, state_of  # noqa: E402  (this folder: the script's own)
+
 from harness.config import register_configs  # noqa: E402
-from harness.dist import init_distributed, local_view, teardown  # noqa: E402
+from harness.dist import init_distributed, teardown  # noqa: E402
 from harness.job import build_job  # noqa: E402
 from harness.launch.exit import exit_now  # noqa: E402
 from harness.loop import Trainer  # noqa: E402
 from harness.plan import plan_run  # noqa: E402
 from harness.rng import seed_rank  # noqa: E402
-
-MODES = {"full": ["checkpoint=full"], "sharded": ["checkpoint=sharded"]}
-MODES["async"] = ["checkpoint=sharded", "checkpoint.async=true"]
-
-
-def state_of(job) -> dict:
-    """A copy of what this rank holds of the model and the optimizer, as local tensors and values, by key."""
-    model, optim = get_state_dict(job.model, inner_optimizer(job.optimizer))
-    flat = {f"model.{k}": local_view(v).clone() for k, v in model.items()}
-    for fqn, values in optim["state"].items():
-        flat.update({f"optim.{fqn}.{k}": local_view(v).clone() if torch.is_tensor(v) else v for k, v in values.items()})
-    return flat
 
 
 def differ(a: dict, b: dict) -> list[str]:

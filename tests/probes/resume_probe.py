@@ -34,11 +34,12 @@ MODES["async"] = ["checkpoint=sharded", "checkpoint.async=true"]
 
 
 def state_of(job) -> dict:
-    """What this rank holds of the model and the optimizer, as local tensors and plain values, by key."""
+    """A copy of what this rank holds of the model and the optimizer, as local tensors and plain values, by key
+    (a copy: a run that goes on does not change it)."""
     model, optim = get_state_dict(job.model, inner_optimizer(job.optimizer))
-    flat = {f"model.{k}": local_view(v) for k, v in model.items()}
+    flat = {f"model.{k}": local_view(v).clone() for k, v in model.items()}
     for fqn, values in optim["state"].items():
-        flat.update({f"optim.{fqn}.{k}": local_view(v) if torch.is_tensor(v) else v for k, v in values.items()})
+        flat.update({f"optim.{fqn}.{k}": local_view(v).clone() if torch.is_tensor(v) else v for k, v in values.items()})
     return flat
 
 
