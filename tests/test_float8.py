@@ -32,11 +32,14 @@ SEQ = 32
 
 
 @pytest.fixture(autouse=True)
-def inductor_settings_restored(monkeypatch):
+def inductor_settings_restored():
     """rowwise sets inductor's emulate_precision_casts for the process (torchtitan's workaround): not for
-    the tests that run after these in the same worker."""
+    the tests that run after these in the same worker. Through torch's own `patch` (pytest 9.2's
+    monkeypatch deletes an attribute of a module with `__getattr__` on undo, and a deleted torch config
+    entry then raises on every read)."""
     config = torch._inductor.config
-    monkeypatch.setattr(config, "emulate_precision_casts", config.emulate_precision_casts)
+    with config.patch(emulate_precision_casts=config.emulate_precision_casts):
+        yield
 
 
 def built(spec: dict, recipe: str) -> torch.nn.Module:
