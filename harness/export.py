@@ -189,8 +189,8 @@ def _export(paths: list[Path], out: Path) -> dict:
         # the loader speaks to a resumed run ("this run has 1 rank: RNG states not restored"); the
         # export says itself what it wrote (the mean of diverged replicas)
         logging.getLogger("harness.checkpoint").setLevel(logging.ERROR)
-        load(path, job, rank=0)
-        record = {"checkpoint": str(path.resolve()), "step": meta["step"], "replicas_averaged": meta["replica_copies"]}
+        loaded = load(path, job, rank=0)
+        record = {"checkpoint": str(path.resolve()), "step": meta["step"], "replicas_averaged": loaded.models}
         if len(paths) > 1:  # replica groups: the mean of their models (equal right after a sync)
             record.update(checkpoint=[str(p.resolve()) for p in paths], replica_groups=len(paths))
             record["replicas_averaged"] = mean_of_checkpoints(job, paths)

@@ -143,7 +143,7 @@ class Trainer:
 
     def restore(self, path: Path) -> None:
         """Resume from the checkpoint at `path`; its load metrics are logged at its step."""
-        _, row = load(path, self.job, self.env.rank)
+        row = load(path, self.job, self.env.rank).row
         step = self.clock.step
         log.info("resumed from %s at step %d (%.2f s)", path, step, row[metrics.CHECKPOINT_LOAD])
         self.sink.rewind(step)  # rows past the checkpoint are about to be logged again

@@ -78,26 +78,27 @@ def test_warmup_steps_are_synchronous_and_replicas_diverge_after_the_first_local
         while not clock.finished:
             tick = clock.next()
             synchronous.append(tick.synchronous)
-            ends.append(tick.ends_warmup)
+            ends.append(tick.starts_alone)
             clock.advance()
             diverged.append(clock.diverged)
         assert [s for s, sync in enumerate(synchronous) if sync] == list(range(warmup))
-        assert [s for s, end in enumerate(ends) if end] == ([warmup - 1] if warmup else [])
+        assert [s for s, start in enumerate(ends) if start] == [warmup]  # the first local step
         assert [done for done, d in enumerate(diverged) if not d] == list(range(warmup + 1))  # after W steps: equal
 
 
 @pytest.mark.parametrize(
     "period, warmup, expected",
     [
-        (4, 3, [3, 7, 11, 15]),
+        (4, 3, [3, 7, 11, 15, 16]),
         (1, 0, list(range(17))),
-        (3, 0, [0, 3, 6, 9, 12, 15]),
+        (3, 0, [0, 3, 6, 9, 12, 15, 16]),
         (1, 5, list(range(5, 17))),
-        (16, 2, [2]),
+        (16, 2, [2, 16]),
     ],
 )
 def test_periodic_averages_after_iteration_warmup_plus_k_periods(period, warmup, expected):
-    """PyTorch's PeriodicModelAverager: after 0-based iteration `warmup + k·period`."""
+    """PyTorch's PeriodicModelAverager: after 0-based iteration `warmup + k·period`; and after the run's last
+    (16: the 17th step), which ends a cut period so that the run ends with one model."""
     schedule = averager_schedule("periodic", period=period, warmup_steps=warmup)
     assert [t.local for t in ticks(schedule) if t.exchange is not None] == expected
     assert [t.step for t in ticks(schedule)] == list(range(1, 18))  # replicas in step: one step a tick
@@ -116,15 +117,16 @@ def test_hierarchical_averages_within_the_group_of_the_largest_dividing_period()
 @pytest.mark.parametrize(
     "fragments, period, warmup, expected",
     [
-        (1, 4, 2, {5: 0, 9: 0, 13: 0}),
-        (1, 4, 0, {3: 0, 7: 0, 11: 0, 15: 0}),  # after steps 4, 8, 12, ... (1-based), as torchft's DiLoCo
-        (2, 4, 2, {3: 0, 5: 1, 7: 0, 9: 1, 11: 0, 13: 1, 15: 0}),
-        (4, 8, 0, {1: 0, 3: 1, 5: 2, 7: 3, 9: 0, 11: 1, 13: 2, 15: 3}),
+        (1, 4, 2, {5: 0, 9: 0, 13: 0, 16: 0}),
+        (1, 4, 0, {3: 0, 7: 0, 11: 0, 15: 0, 16: 0}),  # after steps 4, 8, 12, ... (1-based), as torchft's DiLoCo
+        (2, 4, 2, {3: 0, 5: 1, 7: 0, 9: 1, 11: 0, 13: 1, 15: 0, 16: 1}),
+        (4, 8, 0, {1: 0, 3: 1, 5: 2, 7: 3, 9: 0, 11: 1, 13: 2, 15: 3, 16: 0}),
         (4, 4, 1, {s: (s - 1) % 4 for s in range(1, 17)}),
     ],
 )
 def test_each_fragment_syncs_once_per_period_after_its_offset(fragments, period, warmup, expected):
-    """Fragment f first syncs after (f + 1)·period/F local steps, then every period (torchft's schedule)."""
+    """Fragment f first syncs after (f + 1)·period/F local steps, then every period (torchft's schedule); the
+    run's last step (16: the 17th) ends its cut period with a sync of every fragment (its turn's logged)."""
     keys = {"period": period, "warmup_steps": warmup, "fragments": fragments, "sync_delay": 0}
     due = {t.local: t.exchange for t in ticks(averager_schedule("diloco", **keys))}
     assert {s: f for s, f in due.items() if f is not None} == expected

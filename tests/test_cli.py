@@ -45,10 +45,11 @@ def test_mission_command_under_torchrun_writes_one_run_dir_with_metrics_and_wand
     assert (run_dir / "train.log").exists() and (run_dir / "logs" / "rank1.log").exists()
 
     rows = read_metrics(run_dir)
-    # log steps 1, 3, 6, 9, 12 plus every averaging step (after 0-based iterations 2, 6, 10) and eval step
+    # log steps 1, 3, 6, 9, 12 plus every averaging step (after 0-based iterations 2, 6, 10, and the run's last)
+    # and eval step
     assert [r["step"] for r in rows] == [1, 3, 4, 6, 7, 8, 9, 11, 12]
     assert [r["step"] for r in rows if "eval/loss" in r] == [4, 8, 12]
-    assert [r["step"] for r in rows if r["averager/averaged"]] == [3, 7, 11]
+    assert [r["step"] for r in rows if r["averager/averaged"]] == [3, 7, 11, 12]
     log_rows = [r for r in rows if r["step"] in (1, 3, 6, 9, 12)]
     assert log_rows[-1]["train/loss"] < log_rows[0]["train/loss"]
     for key in (

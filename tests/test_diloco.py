@@ -104,7 +104,8 @@ def test_fragments_sync_once_per_period_each_split_the_bytes_and_overlap_a_step(
     every 2 steps, in turn (its bytes on that step's row), and its outer step is
     applied a step later (the `averager/averaged` row); each start's bytes at most
     1.5/4 of a whole sync, the four together exactly one (in bf16: half of the
-    float32 sync). The sync started at the last step is completed at exit."""
+    float32 sync). The last step syncs every fragment at once, so the run ends
+    with one model."""
     rows = train(
         tmp_path / "run",
         cli_env,
@@ -129,11 +130,13 @@ def test_fragments_sync_once_per_period_each_split_the_bytes_and_overlap_a_step(
         (13, 0),
         (15, 1),
         (17, 2),
+        (18, 3),  # every fragment, fragment 3's turn
     ]
     whole = sum(nbytes for s, nbytes in started.items() if s < 12)
     params = sum(p.numel() for p in build_model(make("model=mlp", "model.n_layer=4").model, 16).parameters())
     assert whole == params * 2  # bf16: 2 bytes per parameter, each fragment once per period
-    assert max(started.values()) <= 1.5 / 4 * whole
+    assert max(nbytes for s, nbytes in started.items() if s < 18) <= 1.5 / 4 * whole
+    assert started[18] == whole
     default_lr = make("averager=diloco").averager.outer_optimizer.lr
     assert all(r["averager/pseudo_grad_norm"] > 0 and r["averager/outer_lr"] == default_lr for r in synced.values())
 

@@ -190,8 +190,8 @@ def test_nonfinite_loss_stops_at_that_step_and_no_checkpoint_holds_it(path, tmp_
     """A fused optimizer skips a non-finite step on the device (its `found_inf`), and the host reads
     the check on log, eval, save and averaging steps only; the for-loop SGD is checked every step.
     Both stop at the step (here every step logs and saves) or skip it alike, and a skipped step counts
-    in every path: with 2 replicas the averaging schedule (warmup 2, period 2) averages after steps 3 and 5
-    whichever path skipped the steps between."""
+    in every path: with 2 replicas the averaging schedule (warmup 2, period 2) averages after steps 3 and 5,
+    and after the run's last, 6, whichever path skipped the steps between."""
     fused, sharding = NONFINITE_PATHS[path]
     run = tmp_path / "run"
     blowup = ["optimizer=sgd", "optimizer.lr=1e9", "train.grad_clip=0", f"sharding={sharding}"]
@@ -233,7 +233,7 @@ def test_nonfinite_loss_stops_at_that_step_and_no_checkpoint_holds_it(path, tmp_
         saved_state(skip / "checkpoints" / "step_1", tmp_path)["model"],
     )
     if sharding != "full_shard":  # the skipped steps counted: the averager's schedule is the steps'
-        assert [r["step"] for r in rows if r.get("averager/averaged")] == [3, 5]
+        assert [r["step"] for r in rows if r.get("averager/averaged")] == [3, 5, 6]
         assert rows[-1]["averager/step"] == 6
     if fused == "false":
         return

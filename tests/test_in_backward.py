@@ -56,14 +56,14 @@ def test_in_backward_steps_bitwise_like_the_normal_step(layout, tmp_path, cli_en
 
 @pytest.mark.slow
 def test_in_backward_resumes_exactly(tmp_path, cli_env):
-    """Per-parameter optimizers saved as one FQN-keyed state dict: stopped at 5
-    (between averagings) and resumed to 8, everything saved at 8 equals an
-    uninterrupted run's, in sharded and in full mode."""
+    """Per-parameter optimizers saved as one FQN-keyed state dict: resumed from the checkpoint at 5
+    (between averagings, in full mode) to 8, everything saved at 8 (sharded) equals an uninterrupted run's."""
     schedule = ["lr_scheduler=step", "lr_scheduler.milestones=[2,4]"]  # resumed at 5: past both decays
     common = [*LAYOUTS["2x2"], "optimizer=adamw", "optimizer.in_backward=true", *POST_LOCAL, *schedule]
     train(tmp_path / "a", cli_env, *common, "checkpoint=sharded")
-    train(tmp_path / "b", cli_env, *common, "train.steps=5", "checkpoint=full")
-    train(tmp_path / "b", cli_env, *common, "checkpoint=sharded")
+    train(tmp_path / "full", cli_env, *common, "checkpoint=full", "checkpoint.interval=5")
+    resume = f"checkpoint.resume={tmp_path / 'full' / 'checkpoints' / 'step_5'}"
+    train(tmp_path / "b", cli_env, *common, resume, "checkpoint=sharded")
     a, b = (saved_state(tmp_path / run / "checkpoints" / "step_8", tmp_path) for run in ("a", "b"))
     assert_bitwise_equal(a, b)
     assert len(a["optim"]["param_groups"]) == len(a["model"])  # one optimizer per parameter, keyed by FQN

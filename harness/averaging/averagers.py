@@ -119,7 +119,7 @@ class ReplicaAverager(ModelAverager):
         window in)."""
         self.uncommitted = False
         fragment = self.clock.tick.exchange
-        self._average(self._params, self.link, self.clock.reweigh(fragment))
+        self._average(self._params, self.link, self.clock.reweigh([fragment])[fragment])
         if not self.uncommitted:
             self.clock.applied(fragment)
 

@@ -97,25 +97,32 @@ class DiLoCoAverager(ReplicaAverager):
         return self.outer
 
     def before_step(self) -> None:
-        """A sync in flight whose delay is 0 (a replica planned fewer steps than `sync_delay` applies before
-        its next step: it loses none of them, and at the exchange, where saves fall, every replica holds
-        the sync just started) or was cut short (a resume that changed the delay) is applied before the
+        """Before the run's first local step θ_outer is set from the parameters the warmup left (also where a
+        resume lowered `warmup_steps` past the checkpoint's step, whose run had not ended its warmup). A sync
+        in flight whose delay is 0 (a replica planned fewer steps than `sync_delay` applies before its next
+        step: it loses none of them, and at the exchange, where saves fall, every replica holds the sync just
+        started) or was cut short (a resume that lowered the delay, to 0 included) is applied before the
         step's forward."""
         super().before_step()
-        if self.clock.tick.apply_before and self.outer.in_flight is not None:
+        tick = self.clock.tick
+        if tick.starts_alone:
+            self.outer.set_from_params(range(len(self.outer.params)))
+        if tick.apply_before and self.outer.in_flight is not None:
             self.apply_delayed()
 
     def apply_delayed(self) -> None:
-        fragment = self.outer.in_flight.fragment
-        if self.finish_sync():
-            self.clock.applied(fragment, delayed=True)
+        fragments = self.outer.in_flight.fragments
+        if self.finish_sync(at_own_step=self.delayed):
+            for fragment in fragments:
+                self.clock.applied(fragment, delayed=True)
 
     def average_parameters(self, params) -> None:
         """After the local step (`params` are the model's own, which the outer
         state already holds by name, so the argument is not needed): apply the
         sync whose delay ends here (or, halfway through the delay, start its
         second collective), start the one that falls here (applied at once
-        without `sync_delay`)."""
+        without `sync_delay`, and at the run's last step, where every fragment
+        syncs: the run ends with one model)."""
         tick, in_flight = self.clock.tick, self.outer.in_flight
         if tick.apply_after and in_flight is not None:
             self.apply_delayed()
@@ -124,15 +131,18 @@ class DiLoCoAverager(ReplicaAverager):
             in_flight.advance()  # halfway: a narrow dtype's all-gather goes under the rest of the window
             in_flight.blocked_s += time.perf_counter() - start
         if tick.exchange is not None:
-            self.start_sync(tick.exchange, self.exchange().scale)
-            committed = self.delayed or self.finish_sync()
+            delayed = self.delayed and not tick.last
+            scales = self.exchange().scales
+            committed = True
+            if scales:  # at the last step, none where every fragment is one model already
+                self.start_sync(tick.exchange, scales)
+                committed = delayed or self.finish_sync()
             self.clock.exchanged(committed)
-            if committed and not self.delayed:
-                self.clock.applied(tick.exchange)
+            if committed and not delayed:
+                for fragment in scales:
+                    self.clock.applied(fragment)
             if committed:
                 self.report_plan()
-        elif tick.ends_warmup:  # local training starts after this step
-            self.outer.set_from_params(range(len(self.outer.params)))
 
     def exchange(self) -> Exchange:
         """The clock's exchange at this step; a delayed sync applied since the last one is summed over
@@ -141,26 +151,28 @@ class DiLoCoAverager(ReplicaAverager):
         if self.delayed and self.clock.plans:  # every rank sends the slots, so that all send the same figures
             # the sums are the outer step's, on this stream: the clock synchronizes before it reads them
             carried = self.unreported[2] if self.unreported is not None else torch.zeros(3, dtype=torch.float64)
-        exchange = self.clock.exchange(carried)
+        exchange = self.clock.exchange(carried, skip_untrained=self.mix == 0)
         if self.unreported is not None:
             fragment, time_s, _ = self.unreported
             self.report(fragment, time_s, exchange.carried)
             self.unreported = None
         return exchange
 
-    def start_sync(self, fragment: int, scale: float | None = None) -> None:
-        """Form the fragment's pseudo-gradients and start averaging them across replicas, each
-        scaled by `scale` first when given (a weighted mean: `Clock.exchange`); their bytes count on
-        the next logged row."""
+    def start_sync(self, fragment: int, scales: dict[int, float | None]) -> None:
+        """Form the pseudo-gradients of the fragments in `scales` (the tick's `fragment`; at the run's last step
+        every fragment) and start averaging them across replicas in one sync, each fragment's scaled by its
+        scale first when given (a weighted mean: `Clock.exchange`); their bytes count on the next logged row."""
         start = time.perf_counter()
-        self.outer.start_sync(fragment, self.link, self.comm_dtype, scale)
+        self.outer.start_sync(fragment, scales, self.link, self.comm_dtype)
         self.outer.in_flight.blocked_s = time.perf_counter() - start
         self.traffic.add_averaging(sum(c.nbytes for c in self.outer.in_flight.collectives))
 
-    def finish_sync(self, sync: SyncInFlight | None = None) -> bool:
+    def finish_sync(self, sync: SyncInFlight | None = None, at_own_step: bool = False) -> bool:
         """Wait for the fragment's mean pseudo-gradient (of the sync in flight, or `sync`), take
-        the outer step, set the fragment's parameters, and report the sync on this step's row.
-        False when it did not commit (fault tolerance): dropped, θ_outer unchanged."""
+        the outer step, set the fragment's parameters, and report the sync on this step's row (or,
+        `at_own_step`, a delayed sync applied at this replica's own step where periods may change:
+        on the next exchange's). False when it did not commit (fault tolerance): dropped, θ_outer
+        unchanged."""
         if sync is None:
             sync, self.outer.in_flight = self.outer.in_flight, None
         device = self.outer.tensors[0].device
@@ -171,7 +183,7 @@ class DiLoCoAverager(ReplicaAverager):
             self.uncommitted, self.failed_sync = True, sync
             return False
         synchronize(device)
-        if self.clock.plans and self.delayed:  # at this replica's own step: see `unreported`
+        if self.clock.plans and at_own_step:  # see `unreported`
             self.unreported = (sync.fragment, sync.blocked_s + time.perf_counter() - start, sums)
             return True
         dist.all_reduce(sums)  # over every rank: replicas repeat the mean, so divide those sums by the replica count
@@ -195,10 +207,11 @@ class DiLoCoAverager(ReplicaAverager):
         """This step's sync, which did not commit, started again over the link's quorum as it is now,
         weighed over the replicas in it, and finished."""
         sync, self.failed_sync, self.uncommitted = self.failed_sync, None, False
-        again = self.outer.restart_sync(sync, self.link, self.comm_dtype, self.clock.reweigh(sync.fragment))
+        again = self.outer.restart_sync(sync, self.link, self.comm_dtype, self.clock.reweigh(sync.fragments))
         self.traffic.add_averaging(sum(c.nbytes for c in again.collectives))
         if self.finish_sync(again):
-            self.clock.applied(sync.fragment, delayed=self.delayed)
+            for fragment in sync.fragments:
+                self.clock.applied(fragment)
 
     def wait(self) -> None:
         """Complete a sync's collectives still in flight (before the process group goes)."""
@@ -211,10 +224,12 @@ class SyncInFlight:
     """A fragment's sync between its start and the step its outer step is applied
     after (`sync_delay` later): the fragment's pseudo-gradients `deltas` and their
     mean over the replicas `means` (per parameter, local shards; the mean is
-    complete once `wait()` has returned)."""
+    complete once `wait()` has returned). At the run's last step one sync holds
+    every fragment, applied at once."""
 
-    fragment: int
-    indices: list[int]  # the fragment's parameters
+    fragment: int  # the fragment whose turn it is (logged)
+    fragments: list[int]  # the fragments it syncs: `fragment`, or at the run's last step every one
+    indices: list[int]  # their parameters, in model order
     deltas: list[torch.Tensor] | None  # None after a resume: only the mean was saved
     means: list[torch.Tensor]
     collectives: list[MeanInFlight]  # empty after a resume: the mean was saved complete
@@ -260,12 +275,12 @@ def start_pseudo_gradient_mean(
     outer: list[torch.Tensor],
     group: ReplicaLink | dist.ProcessGroup,
     comm_dtype: torch.dtype,
-    scale: float | None = None,
+    scales: list[float | None] | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[MeanInFlight]]:
     """`Δ = outer - local` per tensor, and its mean over `group` started (`start_means`; of
-    `scale`·Δ when given). Returns (Δ, mean, collectives)."""
+    each Δ times its scale where `scales` gives one). Returns (Δ, mean, collectives)."""
     deltas = torch._foreach_sub([o.to(t.device) for o, t in zip(outer, local)], local)
-    return (deltas, *start_means(deltas, group, comm_dtype, scale))
+    return (deltas, *start_means(deltas, group, comm_dtype, scales))
 
 
 @torch.no_grad()
@@ -273,19 +288,21 @@ def start_means(
     tensors: list[torch.Tensor],
     group: ReplicaLink | dist.ProcessGroup,
     comm_dtype: torch.dtype,
-    scale: float | None = None,
+    scales: list[float | None] | None = None,
 ) -> tuple[list[torch.Tensor], list[MeanInFlight]]:
-    """The mean of each of `tensors` over `group`, started, one bucket per collective. Returns
-    (mean, collectives): per-tensor views of the flat buckets, complete once every
-    collective's `wait()` returned."""
+    """The mean of each of `tensors` (times its scale, where `scales` gives one) over `group`,
+    started, one bucket per collective. Returns (mean, collectives): per-tensor views of the
+    flat buckets, complete once every collective's `wait()` returned."""
     means, collectives = [], []
     for bucket in buckets(tensors):
         flat = torch.cat([tensors[i].reshape(-1) for i in bucket])
-        if scale is not None:
-            flat.mul_(scale)
-        collectives.append(start_mean_over_group(flat, group, comm_dtype))
         sizes = [tensors[i].numel() for i in bucket]
-        means += [m.view_as(tensors[i]) for i, m in zip(bucket, flat.split(sizes))]
+        parts = flat.split(sizes)
+        for i, part in zip(bucket, parts):
+            if scales is not None and scales[i] is not None:
+                part.mul_(scales[i])
+        collectives.append(start_mean_over_group(flat, group, comm_dtype))
+        means += [m.view_as(tensors[i]) for i, m in zip(bucket, parts)]
     return means, collectives
 
 
@@ -348,14 +365,16 @@ class OuterState:
         self.in_flight: SyncInFlight | None = None
 
     def start_sync(
-        self, fragment: int, group: ReplicaLink, comm_dtype: torch.dtype, scale: float | None = None
+        self, fragment: int, scales: dict[int, float | None], group: ReplicaLink, comm_dtype: torch.dtype
     ) -> None:
-        indices = self.fragments[fragment]
+        """The sync of the fragments in `scales` (each with its scale), `fragment`'s turn."""
+        scale_of = {i: scale for f, scale in scales.items() for i in self.fragments[f]}
+        indices = sorted(scale_of)
         local = [local_view(self.params[i]) for i in indices]
         deltas, means, collectives = start_pseudo_gradient_mean(
-            local, [self.tensors[i] for i in indices], group, comm_dtype, scale
+            local, [self.tensors[i] for i in indices], group, comm_dtype, [scale_of[i] for i in indices]
         )
-        self.in_flight = SyncInFlight(fragment, indices, deltas, means, collectives)
+        self.in_flight = SyncInFlight(fragment, sorted(scales), indices, deltas, means, collectives)
 
     def finish_sync(self, sync: SyncInFlight, mix: float) -> torch.Tensor | None:
         """Apply `sync`; returns the metric sums (`apply_outer_step`), or None when the
@@ -371,15 +390,16 @@ class OuterState:
         return apply_outer_step(local, outer, self.optimizer, sync.deltas, sync.means, mix)
 
     def restart_sync(
-        self, sync: SyncInFlight, group: ReplicaLink, comm_dtype: torch.dtype, scale: float | None
+        self, sync: SyncInFlight, group: ReplicaLink, comm_dtype: torch.dtype, scales: dict[int, float | None]
     ) -> SyncInFlight:
         """`sync`, whose exchange did not commit, started again over `group`: the same pseudo-gradients
-        averaged anew, each scaled by `scale` (a resumed sync's mean was saved complete, and needs no
-        collective)."""
+        averaged anew, each fragment's scaled by its scale in `scales` (a resumed sync's mean was saved
+        complete, and needs no collective)."""
         if sync.deltas is None:
             return sync
-        means, collectives = start_means(sync.deltas, group, comm_dtype, scale)
-        return SyncInFlight(sync.fragment, sync.indices, sync.deltas, means, collectives)
+        scale_of = {i: scales[f] for f in sync.fragments for i in self.fragments[f]}
+        means, collectives = start_means(sync.deltas, group, comm_dtype, [scale_of[i] for i in sync.indices])
+        return SyncInFlight(sync.fragment, sync.fragments, sync.indices, sync.deltas, means, collectives)
 
     @torch.no_grad()
     def set_from_params(self, indices) -> None:
@@ -411,7 +431,7 @@ class OuterState:
         if "in_flight" in state:  # a buffer per parameter for the saved mean, which the tensor load fills
             fragment, indices = state["in_flight"]["fragment"], self.fragments[state["in_flight"]["fragment"]]
             means = [torch.zeros_like(local_view(self.params[i])) for i in indices]
-            self.in_flight = SyncInFlight(fragment, indices, None, means, [])
+            self.in_flight = SyncInFlight(fragment, [fragment], indices, None, means, [])
 
     def tensor_state_dict(self) -> dict:
         """θ_outer and the outer optimizer's state by parameter name, in the

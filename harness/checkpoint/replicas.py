@@ -76,15 +76,22 @@ def local_tensors(model: torch.nn.Module, optim) -> list[torch.Tensor]:
     return tensors
 
 
-def load_mean_of_copies(job: Job, copies: int, load_copy: Callable[[str | None], float]) -> float:
-    """Load each of `copies` replica copies in turn and keep their mean; returns
-    the seconds `load_copy` spent setting state dicts."""
+def load_mean_of_copies(job: Job, copies: int, load_copy: Callable[[str | None], float]) -> tuple[float, bool, bool]:
+    """Load each of `copies` replica copies in turn and keep their mean (the first copy itself where every
+    copy is equal: the parameters after a run's last exchange, bit for bit). Returns the seconds `load_copy`
+    spent setting state dicts, and whether the copies' parameters, and their optimizer states, differ."""
     optim = inner_optimizer(job.optimizer)
-    total, set_s = None, 0.0
+    params = sum(1 for _ in job.model.parameters())  # local_tensors lists the parameters first
+    first, total, set_s, apart = None, None, 0.0, [False, False]
     for replica in range(copies):
         set_s += load_copy(copy_key(replica))
         tensors = local_tensors(job.model, optim)
-        total = [t.clone() for t in tensors] if total is None else [a.add_(b) for a, b in zip(total, tensors)]
-    for t, s in zip(local_tensors(job.model, optim), total):
-        t.copy_(s / copies)
-    return set_s
+        if total is None:
+            first, total = [t.clone() for t in tensors], [t.clone() for t in tensors]
+            continue
+        for i, (a, b) in enumerate(zip(first, tensors)):
+            apart[i >= params] |= not torch.equal(a, b)
+        torch._foreach_add_(total, tensors)
+    for i, (t, s, one) in enumerate(zip(local_tensors(job.model, optim), total, first)):
+        t.copy_(s / copies if apart[i >= params] else one)
+    return set_s, apart[0], apart[1]

@@ -22,15 +22,24 @@ from harness.clock.rules import (
     smoothed,
 )
 from harness.clock.tick import Level, Schedule, Tick
-from harness.dist import mean_over_ranks, synchronize
+from harness.dist import synchronize
 
 
 @dataclass(frozen=True)
 class Exchange:
     """What an exchange's figures gave this replica."""
 
-    scale: float | None  # what it scales its tensors by before the plain mean (None: the plain mean, bit for bit)
+    # the fragments it syncs, each with what this replica scales its tensors of it by before the plain mean
+    # (None: the plain mean, bit for bit): the tick's fragment, or at the run's last step every fragment whose
+    # tensors hold a local step on some replica
+    scales: dict[int, float | None]
     carried: torch.Tensor | None  # the averager's `carried` figures, summed over every rank
+
+    @property
+    def scale(self) -> float | None:
+        """The scale of an exchange of one fragment (post-local SGD's: the whole model)."""
+        (scale,) = self.scales.values()
+        return scale
 
 
 class Figures:
@@ -58,10 +67,11 @@ class Clock:
     no part keeps a count of its own.
 
     Warmup steps are synchronous: every replica takes each of them. After warmup the run is a sequence of
-    periods, each ended by an exchange of every replica (the last may be cut to the run's end, without
-    one). A period's plan is each replica's local steps in it, derived from the schedule and the inputs
-    below at the exchange that starts it, the same on every replica; with `balance=steps` and a fixed
-    period it is `period` steps for all, which is PyTorch's and DiLoCo's fixed schedule, on this same path.
+    periods, each ended by an exchange of every replica (the last may be cut to the run's end; its exchange
+    syncs every fragment, so the run ends with one model). A period's plan is each replica's local steps in
+    it, derived from the schedule and the inputs below at the exchange that starts it, the same on every
+    replica; with `balance=steps` and a fixed period it is `period` steps for all, which is PyTorch's and
+    DiLoCo's fixed schedule, on this same path.
 
     The run's progress is counted in replica steps (local steps of all replicas: a replica's samples
     over its batch); the global step is that count over the replicas, so a replica i steps into a period
@@ -84,20 +94,29 @@ class Clock:
         samples_per_step: int,
         device: torch.device,
         sum_over_replicas: Callable[[torch.Tensor], None] | None = None,
+        *,
+        sum_in_world: Callable[[torch.Tensor], None] = dist.all_reduce,
+        now: Callable[[], float] = time.perf_counter,
+        wall: Callable[[], float] = time.time,
     ):
         """`steps`: train.steps; `replicas`: the run's (fault tolerance: the replica groups), `replica`:
         this rank's; `leads`: this rank writes its replica's figures (its first shard); `samples_per_step`:
         one replica's samples per local step; `sum_over_replicas`: completes a sum over this world across
-        the replica groups it does not hold (fault tolerance), else None."""
+        the replica groups it does not hold (fault tolerance), else None. `sum_in_world` sums a tensor over
+        every rank of this world, `now` times steps and `wall` stamps arrivals: torch.distributed and the
+        host's clocks, which the clock's model-based tests replace by replicas of their own."""
         self.schedule, self.steps, self.replicas, self.replica = schedule, steps, replicas, replica
         self.leads, self.samples_per_step, self.device = leads, samples_per_step, device
         self.sum_over_replicas = sum_over_replicas
+        self.sum_in_world, self.now, self.wall = sum_in_world, now, wall
         self.balances = str(schedule.balance) == "time"
         self.adapts = str(schedule.period_schedule) == "adacomm"
         self.plans = self.balances or self.adapts  # exchanges share figures, and periods may change
         fragments = schedule.fragments
         self.stride = schedule.period // fragments  # local steps between two exchanges
-        self.min_stride = max(1, math.ceil(schedule.min_period / fragments))
+        # AdaComm's shortest: `min_period` in strides, and longer than DiLoCo's delay (a sync is applied before
+        # the next one starts, and its fragment trains a step after it before that)
+        self.min_stride = max(1, math.ceil(schedule.min_period / fragments), schedule.sync_delay + 1)
         # inputs (the checkpoint part): progress ...
         self.done = 0  # replica steps of the run before the period under way (in warmup: so far)
         self.taken = 0  # this replica's local steps in the period under way
@@ -118,9 +137,11 @@ class Clock:
         self.cut = False
         self.in_step = True  # every replica takes the period's steps at the same global steps (equal plans)
         self.anchor = (0, 0)  # (local steps, global step) where the period under way was entered
+        self.entered: list[int] = [0] * replicas  # each replica's steps in the period under way when it was entered
         self._replan()
         # this process's
         self.tick: Tick | None = None  # the step being taken
+        self.asked_first_loss = False  # F₀ was asked for at a step of this process (adacomm)
         self.loaded: list[int] | None = None  # each replica's steps in the period, as loaded, until the next tick
         self.loss: torch.Tensor | None = None  # the loss of the step being taken (adacomm's F, read at exchanges)
         self.started: float | None = None  # when this period's local steps began (None: not measured)
@@ -147,7 +168,8 @@ class Clock:
     @property
     def diverged(self) -> bool:
         """A step so far was local: replicas may hold different parameters and optimizer states (a
-        checkpoint keeps a copy per replica)."""
+        checkpoint keeps a copy per replica; after the run's last exchange their parameters are one model,
+        their optimizer states still their own)."""
         return self.local > self.schedule.warmup
 
     @property
@@ -240,7 +262,7 @@ class Clock:
         self.loaded = None
         if self.timer_due:  # the period's local steps start now: its exchange's log, eval and save are left out
             self.timer_due = False
-            self.started = time.perf_counter() if self.syncs >= 2 else None  # the run's first periods hold start-up
+            self.started = self.now() if self.syncs >= 2 else None  # the run's first periods hold start-up
             self.idle_s, self.arrived = 0.0, None
         before, local = self.step, self.local
         if self.warming:
@@ -251,7 +273,7 @@ class Clock:
                 step=step,
                 slot=self._slot(0),
                 synchronous=True,
-                ends_warmup=step == self.schedule.warmup,
+                starts_alone=False,
                 exchange=None,
                 level=None,
                 apply_before=False,
@@ -264,7 +286,7 @@ class Clock:
             return self.tick
         taken, mine = self.taken + 1, self.plan[self.replica]
         ends = taken == mine
-        exchange = self.syncs % self.schedule.fragments if ends and not self.cut else None
+        exchange = self.syncs % self.schedule.fragments if ends else None  # a cut last period's too
         last = ends and self.final
         delay, delayed = self.delay(self.replica), self.schedule.sync_delay > 0 and self.syncs > 0
         self.tick = Tick(
@@ -273,10 +295,14 @@ class Clock:
             step=self._step_at(taken),
             slot=self._slot(self.taken),
             synchronous=False,
-            ends_warmup=False,
+            starts_alone=self.syncs == 0 and self.taken == 0,
             exchange=exchange,
             level=None if exchange is not None else self._level(taken),
-            apply_before=delayed and self.taken >= delay,
+            # a sync in flight is applied once its delay is over: after the step it ends with; before a step when a
+            # resume (a checkpoint holds a sync just started) entered the period past it, a delay of 0 included; and
+            # before the run's last step when the run ends first (that step's exchange starts with no collective in
+            # flight: under fault tolerance its quorum opens before it)
+            apply_before=self.syncs > 0 and (self.taken >= delay or last),
             apply_after=delayed and delay >= 1 and taken == delay,
             advance=delayed and delay >= 2 and taken == delay - delay // 2,
             # replicas in step meet at every step; with balance=time only at exchanges: a collective between
@@ -308,16 +334,23 @@ class Clock:
         AdaComm's F). Before an exchange this replica's period ends here, ahead of anything that waits for the
         others (the host's finite check, the exchange's own collectives). On the first step with no F₀ (a fresh
         run, or one resumed without it) F₀ is the ranks' mean of `loss`, read now: every rank takes its first
-        step once, so the collective pairs up (under fault tolerance the groups' means meet at the first
-        exchange)."""
+        step once, so the collective pairs up; while it is not finite, again at each meeting (under fault
+        tolerance the groups' means meet at the first exchange)."""
         if self.plans and self.tick.exchange is not None:
             synchronize(self.device)  # the step time ends at finished work
-            self.computed_at = time.perf_counter()
+            self.computed_at = self.now()
             self.waiting()
         if self.adapts:
             self.loss = loss
-            if self.first_loss is None:
-                self.first_loss = mean_over_ranks(loss.double())
+            # every rank asks at its first step and at every meeting after, so the sums pair up, until one is
+            # finite (a non-finite first loss, skipped under train.nonfinite=skip, would leave F₀ NaN for good)
+            if self.first_loss is None and (not self.asked_first_loss or self.tick.meeting):
+                self.asked_first_loss = True
+                first = loss.detach().to(torch.float64)
+                figures = torch.stack([first, torch.ones_like(first)])
+                self.sum_in_world(figures)
+                total, ranks = figures.tolist()
+                self.first_loss = total / ranks if math.isfinite(total) else None
 
     def advance(self) -> None:
         """The step being taken is done (its optimizer step, its averaging): the run moves to its step."""
@@ -361,6 +394,7 @@ class Clock:
         if positions is not None and self.done + sum(positions) < self.steps * self.replicas:
             self.plan = [k if t < k else t + 1 for k, t in zip(self.plan, positions)]
         self.in_step = len(set(self.plan)) == 1 and len(set(positions or [0])) == 1
+        self.entered = list(positions or [0] * self.replicas)
 
     def _stride(self) -> int:
         """The local steps between exchanges in force: AdaComm's from the last exchange's loss, else the schedule's."""
@@ -374,7 +408,7 @@ class Clock:
         """This replica begins waiting for its peers at the exchange ahead (fault tolerance: the quorum
         before its last step of the period): its arrival, for the wait figures."""
         if self.arrived is None:
-            self.arrived = time.time()
+            self.arrived = self.wall()
 
     def waited(self, seconds: float) -> None:
         """Time this replica spent on other things than its steps within the period (a hierarchy's group
@@ -382,25 +416,37 @@ class Clock:
         it out, so a replica is planned by its own speed."""
         self.idle_s += seconds
 
-    def exchange(self, carried: torch.Tensor | None = None) -> Exchange:
+    def exchange(self, carried: torch.Tensor | None = None, skip_untrained: bool = False) -> Exchange:
         """At the exchange after the step being taken, every replica's: when the plan may change, the
         figures it is derived from, in one small sum over every rank (the exchange is the one moment every
         rank is there anyway), with an averager's `carried` float64 figures. Returns this replica's scale
         for the weighted mean of the fragment it syncs: each replica weighted by the local steps its tensors
         hold (since that fragment's sync was last applied), among the replicas that trained (fault
-        tolerance: a group outside the quorum took none)."""
-        fragment, completed = self.tick.exchange, list(self.plan)
+        tolerance: a group outside the quorum took none); at the run's last step, a scale for each fragment
+        it syncs: every fragment, but with `skip_untrained` those no replica trained since their sync was
+        applied (DiLoCo with `averager.mix` 0: the outer update replaced them, on every replica alike)."""
+        completed = list(self.plan)
         summed, staged = None, None
         if self.plans:
             figures = self._share(carried)
             completed = [int(k) for k in figures["completed"]]
             summed = torch.tensor(figures["carried"], dtype=torch.float64) if carried is not None else None
             staged = figures
-        held = [h + k for h, k in zip(self.held[fragment], completed)]
         members = [q for q in range(self.replicas) if completed[q] > 0]
-        scale = mean_weight([held[q] for q in members], held[self.replica]) if self.replica in members else None
+        scales = {}
+        for fragment in self.synced():
+            held = [h + k for h, k in zip(self.held[fragment], completed)]
+            if self.tick.last and skip_untrained and not any(held[q] > 0 for q in members):
+                continue  # no replica trained it since its sync was applied: one model already
+            mine = held[self.replica]
+            scales[fragment] = mean_weight([held[q] for q in members], mine) if self.replica in members else None
         self.staged = (completed, staged)
-        return Exchange(scale, summed)
+        return Exchange(scales, summed)
+
+    def synced(self) -> list[int]:
+        """The fragments the exchange after the step being taken may sync: its fragment, or at the run's last
+        step every fragment (the run ends with one model)."""
+        return list(range(self.schedule.fragments)) if self.tick.last else [self.tick.exchange]
 
     def _share(self, carried: torch.Tensor | None) -> dict[str, list[float]]:
         now, mine, r, n = self.computed_at, self.taken + 1, self.replica, self.replicas
@@ -420,7 +466,7 @@ class Clock:
             figures["first_loss"][0], figures["first_loss"][1] = self.first_loss, 1.0
         if carried is not None:  # the sums are the averager's, on this stream: read below, after the sum
             figures["carried"].copy_(carried)
-        dist.all_reduce(figures.tensor)  # every rank of the world is at this exchange
+        self.sum_in_world(figures.tensor)  # every rank of the world is at this exchange
         if self.sum_over_replicas is not None:
             self.sum_over_replicas(figures.tensor)  # and every replica group in the quorum (fault tolerance)
         return figures.read()
@@ -444,7 +490,8 @@ class Clock:
     def _measured(self, figures: dict[str, list[float]], completed: list[int]) -> None:
         """A committed exchange's figures become the plan's inputs, and its row."""
         n = self.replicas
-        self.row = {metrics.AVERAGER_PERIOD: self._stride() * self.schedule.fragments}  # the one that ended
+        # the period that ended, as taken: its longest replica's steps (the first period's, a cut last one's too)
+        self.row = {metrics.AVERAGER_PERIOD: max(completed) * self.schedule.fragments}
         for q, t in enumerate(figures["step_time"]):
             if t > 0:
                 self.step_times[q] = smoothed(self.step_times[q], t)
@@ -474,25 +521,35 @@ class Clock:
 
     def applied(self, fragment: int, delayed: bool = False) -> None:
         """The mean of `fragment`'s sync is in: each replica's tensors of it hold no local step of their own
-        now. A delayed DiLoCo sync is applied at each replica's own step, after its `delay`: the local steps
-        it took since the sync started count against what its tensors hold (with `averager.mix` 0 their
-        progress was replaced)."""
-        self.held[fragment] = [-self.delay(q) if delayed else 0 for q in range(self.replicas)]
+        now. A delayed DiLoCo sync is applied at each replica's own step, after its `delay` (or where a resume
+        entered the period past it, or before its last step of the run when the run ends first): the local steps
+        it took since the sync started count against what its tensors hold (with `averager.mix` 0 their progress
+        was replaced)."""
+        if not delayed:
+            self.held[fragment] = [0] * self.replicas
+            return
+        self.held[fragment] = [
+            -min(max(self.delay(q), self.entered[q]), self.plan[q] - 1) for q in range(self.replicas)
+        ]
 
-    def reweigh(self, fragment: int) -> float | None:
-        """This replica's scale for the exchange after the step being taken, redone among the replicas in
-        the quorum now (fault tolerance, at the run's last step): weighed over those alone."""
+    def reweigh(self, fragments: list[int]) -> dict[int, float | None]:
+        """This replica's scale for each of `fragments`, synced by the exchange after the step being taken,
+        redone among the replicas in the quorum now (fault tolerance, at the run's last step): weighed over
+        those alone."""
         if not self.plans:
-            return None
-        figures = Figures(self.device, held=1, members=1)
+            return dict.fromkeys(fragments)
+        figures = Figures(self.device, held=len(fragments), members=1)
         if self.leads:
-            figures["held"][0], figures["members"][0] = self.held[fragment][self.replica], 1.0
-        dist.all_reduce(figures.tensor)
+            figures["held"].copy_(torch.tensor([float(self.held[f][self.replica]) for f in fragments]))
+            figures["members"][0] = 1.0
+        self.sum_in_world(figures.tensor)
         self.sum_over_replicas(figures.tensor)
         values = figures.read()
-        total, members, mine = values["held"][0], values["members"][0], self.held[fragment][self.replica]
-        scale = mine * members / total if total > 0 else None
-        return None if scale == 1.0 else scale
+        members, scales = values["members"][0], {}
+        for fragment, total in zip(fragments, values["held"]):
+            scale = self.held[fragment][self.replica] * members / total if total > 0 else None
+            scales[fragment] = None if scale == 1.0 else scale
+        return scales
 
     # -- its checkpoint part -----------------------------------------------------------------------
 
@@ -516,8 +573,6 @@ class Clock:
         fewer steps cut the period under way elsewhere; a new period, schedule or balance plans it anew
         (a replica that already took its new plan takes one more step to the exchange); another replica
         count keeps the global step and starts the period under way afresh where the replicas were apart."""
-        if "done" not in state:  # saved before the clock was a part, or by a run without replicas
-            state = self._fixed_position(state["step"])
         n, saved = self.replicas, state["replicas"]
         self.syncs, self.exchange_loss = state["syncs"], state["exchange_loss"]
         self.first_loss = state["first_loss"]
@@ -547,24 +602,3 @@ class Clock:
         partway = self.plan is not None and 0 < self.taken < self.plan[self.replica]
         self.met = self.done // n if self.balances and partway else self.step
         self.started, self.timer_due = None, self.taken == 0  # at a period's start its timer starts with it
-
-    def _fixed_position(self, step: int) -> dict:
-        """The inputs of a run that took the schedule's fixed periods up to `step` (a checkpoint saved before
-        the clock was a part: its measurements start afresh)."""
-        n, warmup, first = self.replicas, self.schedule.warmup, self.schedule.first
-        syncs, start = 0, min(step, warmup)
-        if step - warmup >= first:
-            exchanges = (step - warmup - first) // self.stride
-            syncs, start = 1 + exchanges, warmup + first + exchanges * self.stride
-        return {
-            "replicas": n,
-            "done": start * n,
-            "taken": [step - start] * n,
-            "syncs": syncs,
-            "trained": [start] * n,
-            "held": [[0] * n for _ in range(self.schedule.fragments)],
-            "step_times": [None] * n,
-            "first_loss": None,
-            "first_loss_shared": False,
-            "exchange_loss": None,
-        }

@@ -44,10 +44,16 @@ class Tick:
     step: int  # the run's global step once it is taken (equal replicas: before + 1; else it may stay or jump)
     slot: int  # the replica step of the run whose samples it reads (replica steps of all replicas, in order)
     synchronous: bool  # its gradients cross replicas (warmup; synchronous training)
-    ends_warmup: bool  # the last synchronous step: the replicas train alone after it
-    exchange: int | None  # every replica exchanges after it: the fragment they sync (0 without fragments)
+    # the run's first local step (fresh, or resumed where its first period had not begun): before it every
+    # replica holds the one model the warmup left, which DiLoCo's outer copy starts from
+    starts_alone: bool
+    # every replica exchanges after it: the fragment they sync (0 without fragments); at the run's last step
+    # (`last`) every fragment, applied at once, so that the run ends with one model
+    exchange: int | None
     level: Level | None  # a hierarchy's group below all replicas meets after it
-    apply_before: bool  # DiLoCo: a sync in flight is applied before it (a delay of 0, or one a resume cut short)
+    # DiLoCo: a sync in flight, if any, is applied before it (a delay of 0, one a resume cut short, or one the run's
+    # end cuts short: before its last step)
+    apply_before: bool
     apply_after: bool  # DiLoCo: the sync in flight is applied after it (its delay ends with it)
     advance: bool  # DiLoCo: after it, a sync in flight starts its second collective (halfway through the delay)
     meeting: bool  # every rank takes it at `step`: log, eval, save and the non-finite report may fall here

@@ -53,7 +53,7 @@ def main(out: str) -> None:
     average_local_shards(params, world, torch.float32, scale)
     narrow = [x.clone()]
     average_local_shards(narrow, world, torch.bfloat16, scale)
-    means, collectives = start_means([x.clone()], world, torch.float32, scale)
+    means, collectives = start_means([x.clone()], world, torch.float32, [scale])
     for collective in collectives:
         collective.wait()
     result |= {"scale": scale, "mean": params[0].tolist(), "mean_bf16": narrow[0].tolist()}
