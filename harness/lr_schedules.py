@@ -106,10 +106,9 @@ class LRSchedule:
         return {key: state[key] for key in POSITION_KEYS if key in state}
 
     def load_state_dict(self, state: dict) -> None:
-        """A checkpoint saved without a schedule (before schedules existed) is at position `step`."""
+        """A checkpoint saved without a schedule (before schedules existed) is at position `step` (its meta.json's
+        upgrade says so: harness/checkpoint/meta.py)."""
         position = {key: state[key] for key in POSITION_KEYS if key in state}
-        if "last_epoch" not in position:
-            position = {"last_epoch": state["step"], "_step_count": state["step"] + 1}
         for scheduler in self.schedulers:
             scheduler.__dict__.update(position)
             if "_last_lr" not in position:

@@ -22,6 +22,31 @@ SMALL = ["model=mlp", "train.batch_size=4", "train.seq_len=16", "train.log_every
 FAST = ["model=mlp", "train.steps=8", "train.batch_size=4", "train.seq_len=16", "train.log_every=1"]
 
 
+def make(*overrides: str):
+    """The config `python train.py <overrides>` composes (the schemas registered)."""
+    from hydra import compose, initialize_config_dir
+
+    from harness.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        return compose("config", overrides=list(overrides))
+
+
+def checkpoint_meta(step: int, replicas: int = 2, **fields) -> dict:
+    """A well-formed meta.json of today's format (harness/checkpoint/meta.py) for a checkpoint at `step` of a
+    synchronous run of `replicas` one-rank replicas, with `fields` replaced: what a test that fakes a
+    checkpoint writes, so that only the field it is about is wrong."""
+    from harness.checkpoint.meta import FORMAT
+
+    clock = {"replicas": replicas, "done": step * replicas, "taken": [0] * replicas, "syncs": 0}
+    clock |= {"trained": [step] * replicas, "held": [[0] * replicas], "step_times": [None] * replicas}
+    clock |= {"first_loss": None, "first_loss_shared": True, "exchange_loss": None}
+    meta = {"format": FORMAT, "step": step, "mode": "full", "world_size": replicas, "replica_copies": 1}
+    meta |= {"mesh": {"replicate": replicas, "shard": 1}, "clock": clock, "data": {"samples": 0}}
+    return {**meta, **fields}
+
+
 def base_env(tmp_path: Path) -> dict:
     """The caller's environment minus anything that would make a child think it is a torchrun rank."""
     env = dict(os.environ)

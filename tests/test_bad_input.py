@@ -19,7 +19,7 @@ from harness.launch import local_rank_count
 from harness.launch.check import settle_config
 from harness.overrides import closest, override_errors
 
-from support import FAST, REPO, TRAIN, run_cli
+from support import FAST, REPO, TRAIN, checkpoint_meta, run_cli
 
 register_configs()
 
@@ -30,7 +30,7 @@ BASE = [o for o in FAST if not o.startswith("model=")]  # the default model: gpt
 def fake_checkpoint(step_dir: Path, **model) -> Path:
     step_dir.mkdir(parents=True)
     (step_dir / "meta.json").write_text(
-        json.dumps({"step": 5, "model": {**MODEL, **model}, "optimizer": "torch.optim.AdamW"})
+        json.dumps(checkpoint_meta(5, model={**MODEL, **model}, optimizer="torch.optim.AdamW"))
     )
     return step_dir
 

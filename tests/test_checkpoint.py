@@ -4,6 +4,7 @@ resharding, per-replica copies, atomic commits, keep-last-k, load errors."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ from support import (
     assert_bitwise_equal,
     check_ok,
     loss_by_step,
+    make,
     read_metrics,
     run_cli,
     saved_state,
@@ -54,6 +56,7 @@ LAYOUTS = {
     ],
 }
 PROBE = REPO / "tests" / "probes" / "checkpoint_probe.py"
+RUNS_PROBE = REPO / "tests" / "probes" / "runs_probe.py"
 
 
 def train(run_dir: Path, env: dict, *overrides: str) -> subprocess.CompletedProcess:
@@ -66,29 +69,37 @@ def train(run_dir: Path, env: dict, *overrides: str) -> subprocess.CompletedProc
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["ddp4", "2x2-diloco"])
 def test_resume_in_every_mode_is_bitwise_equal_to_an_uninterrupted_run(layout, tmp_path, cli_env):
-    """Run A trains 12 steps. Run B stops at 7 (between averaging steps) saving
-    sharded, resumes to 9 (an averaging step) saving full, and resumes to 12
-    saving sharded with async_save (at 10, while training goes on, and at 12):
-    everything the checkpoints at 10 and 12 hold (model, optimizer, RNG states,
-    DiLoCo's outer parameters and state), and every loss after step 7, equal
-    A's bit for bit."""
+    """Run A trains 12 steps, saving sharded at every step. Run B resumes from A's step 7 (between averaging
+    steps) saving full at 9 (an averaging step); run C resumes from B's step 9 to 12 saving sharded with
+    async_save (at 10, while training goes on, and at 12): everything the checkpoints at 10 and 12 hold
+    (model, optimizer, RNG states, DiLoCo's outer parameters and state), and every loss after step 7,
+    equal A's bit for bit. (A run stopped by its own `train.steps` ends with an exchange, one model, so a
+    run that goes on from its last checkpoint is not the one that never stopped: resumes from checkpoints
+    saved on the way are.)"""
     # the learning rate decays after steps 3 and 6, so B resumes past both: the schedule's position must come back
     schedule = ["lr_scheduler=step", "lr_scheduler.milestones=[3,6]"]
-    base = [*LAYOUTS[layout], *schedule, "model.dropout=0.1", "checkpoint.interval=10", "checkpoint.keep=3"]
-    a, b = tmp_path / "a", tmp_path / "b"
-    train(a, cli_env, *base, "train.steps=12", "checkpoint=sharded")
-    train(b, cli_env, *base, "train.steps=7", "checkpoint=sharded")
-    train(b, cli_env, *base, "train.steps=9", "checkpoint=full")
-    train(b, cli_env, *base, "train.steps=12", "checkpoint=sharded", "checkpoint.async=true")
+    base = [*LAYOUTS[layout], *schedule, "model.dropout=0.1", "checkpoint.keep=12", "train.steps=12"]
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    train(a, cli_env, *base, "checkpoint=sharded", "checkpoint.interval=1")
+    train(
+        b,
+        cli_env,
+        *base,
+        f"checkpoint.resume={a / 'checkpoints' / 'step_7'}",
+        "checkpoint=full",
+        "checkpoint.interval=9",
+    )
+    resume_c = f"checkpoint.resume={b / 'checkpoints' / 'step_9'}"
+    train(c, cli_env, *base, resume_c, "checkpoint=sharded", "checkpoint.async=true", "checkpoint.interval=10")
 
     for step in ("step_10", "step_12"):
         assert_bitwise_equal(
-            saved_state(a / "checkpoints" / step, tmp_path), saved_state(b / "checkpoints" / step, tmp_path)
+            saved_state(a / "checkpoints" / step, tmp_path), saved_state(c / "checkpoints" / step, tmp_path)
         )
-    la, lb = loss_by_step(a), loss_by_step(b)
-    assert [lb[s] for s in range(8, 13)] == [la[s] for s in range(8, 13)]
+    la, lb, lc = loss_by_step(a), loss_by_step(b), loss_by_step(c)
+    assert [lb[s] for s in range(8, 10)] + [lc[s] for s in range(10, 13)] == [la[s] for s in range(8, 13)]
 
-    assert steps_saved(b) == ["step_9", "step_10", "step_12"]  # keep=3
+    assert steps_saved(b) == ["step_9", "step_12"] and steps_saved(c) == ["step_10", "step_12"]
     meta = json.loads((b / "checkpoints" / "step_9" / "meta.json").read_text())
     clock = meta["clock"]  # replica steps of every replica: 9 each
     replicas = meta["mesh"]["replicate"]
@@ -98,17 +109,18 @@ def test_resume_in_every_mode_is_bitwise_equal_to_an_uninterrupted_run(layout, t
     # every replica's local progress is in the checkpoint, not just replica 0's
     assert (b / "checkpoints" / "step_9" / "replica_1.pt").exists()
     if "diloco" in layout:  # the outer state is in the checkpoint, once; so is a sync in flight
-        in_flight = json.loads((b / "checkpoints" / "step_10" / "meta.json").read_text())["cross_replica"]
+        in_flight = json.loads((c / "checkpoints" / "step_10" / "meta.json").read_text())["cross_replica"]
         # its apply (after step 12) is the clock's to say: 2 steps into the stride the sync began
         assert in_flight["averager"]["in_flight"] == {"fragment": 1}
         parts = torch.load(b / "checkpoints" / "step_9" / "full.pt", weights_only=True)["parts"]["cross_replica"]
         assert set(parts["params"]) == set(saved_state(a / "checkpoints" / "step_12", tmp_path)["model"])
         assert meta["cross_replica"]["averager"]["outer_state"]  # fragments synced so far have optimizer state
-    rows = read_metrics(b)
+    rows = read_metrics(a) + read_metrics(c)
     lr = {r["step"]: r["train/lr"] for r in rows if "train/lr" in r}
     # optimizer.lr until step 3, × 0.1 after it, × 0.01 after step 6
     assert lr[1] == lr[3] and lr[4] == pytest.approx(lr[1] / 10) and lr[12] == pytest.approx(lr[1] / 100), lr
     assert len({r["averager/outer_lr"] for r in rows if "averager/outer_lr" in r}) <= 1  # the outer lr is not scheduled
+    rows = read_metrics(b) + read_metrics(c)
     resumed = [r for r in rows if "run/resumed_from_step" in r]
     assert [r["run/resumed_from_step"] for r in resumed] == [7, 9]
     assert all(r["checkpoint/load_s"] > 0 and r["checkpoint/set_state_dict_s"] > 0 for r in resumed)
@@ -224,8 +236,8 @@ def test_diverged_replicas_load_as_their_mean_into_another_replica_count(tmp_pat
     """Post-local SGD's diverged replicas load as their mean into one replica, and as
     θ_outer into DiLoCo (a checkpoint without outer state)."""
     run = tmp_path / "run"
-    train(run, cli_env, *LAYOUTS["2x1"], "train.steps=5", "checkpoint=full")
-    step_dir = run / "checkpoints" / "step_5"  # steps 4-5 were local: the replicas differ
+    train(run, cli_env, *LAYOUTS["2x1"], "train.steps=6", "checkpoint=full", "checkpoint.interval=5")
+    step_dir = run / "checkpoints" / "step_5"  # steps 4-5 were local: the replicas differ (step 6 averages)
     r0 = torch.load(step_dir / "full.pt", weights_only=True)["model"]
     r1 = torch.load(step_dir / "replica_1.pt", weights_only=True)["model"]
     assert any(not torch.equal(r0[k], r1[k]) for k in r0)
@@ -269,50 +281,170 @@ TINY_GPT = ["model=gpt", "model.n_layer=1", "model.d_model=32", "model.n_head=2"
 BABY_GPT = ["model=gpt", "model.bias=false", "train.seq_len=64", "train.batch_size=4"]
 
 
+# -- checkpoints written by earlier versions (tests/fixtures/checkpoints/README.md) -------------------
+
+FIXTURES = REPO / "tests" / "fixtures" / "checkpoints"
+OLD = {f"{p.parent.name}/{p.name}": p for p in sorted(FIXTURES.glob("v*/*")) if p.is_dir()}
+# the clock part each version's checkpoint reads as (the plan's inputs): from the saved config's fixed schedule
+# before the clock (v0); a v1 run's last period cut to different lengths counts them as taken
+CLOCKS = {
+    "v0/periodic_mlp_full": {"replicas": 2, "done": 14, "taken": [1, 1], "syncs": 2},  # exchanges after 3 and 7
+    "v0/diloco_in_flight_full": {"replicas": 2, "done": 16, "taken": [0, 0], "syncs": 3},  # after 4, 6 and 8
+    "v0/gpt_full": {"replicas": 2, "done": 12, "taken": [0, 0], "syncs": 0},  # in its warmup of 10
+    "v0/gpt_sharded": {"replicas": 1, "done": 6, "taken": [0], "syncs": 0},  # synchronous: one replica
+    "v1/uneven_cut_full": {"replicas": 2, "done": 47 + 3, "taken": [0, 0], "syncs": 8, "trained": [33, 17]},
+}
+
+
+def old_checkpoint(name: str) -> tuple[dict, Path]:
+    """A fixture's continuation.json and its step_<N> directory."""
+    spec = json.loads((OLD[name] / "continuation.json").read_text())
+    return spec, OLD[name] / f"step_{spec['step']}"
+
+
+def test_a_checkpoint_of_every_earlier_version_reads_as_todays_format():
+    """meta.json of each version (no `format`: 0 before the clock, 1 with its part) reads as today's: the
+    clock part derived, the fields the clock replaced gone, every field well formed."""
+    from harness.checkpoint.files import read_meta
+    from harness.checkpoint.meta import FORMAT, problems, version
+
+    for name in OLD:
+        spec, step_dir = old_checkpoint(name)
+        raw = json.loads((step_dir / "meta.json").read_text())
+        assert version(raw) == int(name[1]), name
+        meta = read_meta(step_dir)
+        assert meta["format"] == FORMAT and problems(meta) == [] and meta["step"] == spec["step"], name
+        assert "averager_step" not in meta["cross_replica"], name
+        if in_flight := meta["cross_replica"].get("averager", {}).get("in_flight"):
+            assert in_flight == {"fragment": 0}, name  # its apply is the clock's to say
+        for key, value in CLOCKS.get(name, {}).items():
+            assert meta["clock"][key] == value, (name, key, meta["clock"])
+
+
+PERIODIC, DILOCO = "v1/periodic_mlp_full", "v1/diloco_in_flight_sharded"
+EDITS = [  # (id, fixture, the edit of its meta.json: the path to a field and its new value, what the refusal names)
+    ("negative taken", PERIODIC, ("clock", "taken", 1, -3), "clock.taken[1] is -3, but must be an integer >= 0"),
+    ("done a string", PERIODIC, ("clock", "done", "16"), 'clock.done is "16", but must be an integer >= 0'),
+    ("no replicas", PERIODIC, ("clock", "replicas", 0), "clock.replicas is 0, but must be an integer >= 1"),
+    ("step a string", PERIODIC, ("step", "8"), 'step is "8", but must be an integer >= 0'),
+    ("clock past the step", PERIODIC, ("clock", "done", 40), "the clock and the step disagree"),
+    (
+        "a fragment it has not",
+        DILOCO,
+        ("cross_replica", "averager", "in_flight", "fragment", 2),
+        "cross_replica.averager.in_flight.fragment is 2, but must be one of the 2 fragments' numbers",
+    ),
+    ("a newer format", "v1/gpt_sharded", ("format", 3), "format is 3, but must be an integer from 0 to 2"),
+    ("a v0 without its mesh", "v0/gpt_full", ("mesh", None), "mesh is None, but must be an object"),
+]
+
+
+@pytest.mark.parametrize("fixture,edit,expected", [e[1:] for e in EDITS], ids=[e[0] for e in EDITS])
+def test_a_meta_json_edited_wrong_is_refused_naming_the_field(fixture, edit, expected, tmp_path):
+    """A well-formed meta.json with a field of the wrong type or out of range is refused before any rank
+    starts (preflight), naming the file, the field, its value and the fix (it ended in a TypeError,
+    ZeroDivisionError or a run that read ahead of its clock inside the ranks)."""
+    from harness.preflight import preflight
+
+    _, step_dir = old_checkpoint(fixture)
+    copy = tmp_path / "edited" / step_dir.name
+    copy.mkdir(parents=True)
+    meta = json.loads((step_dir / "meta.json").read_text())
+    *path, key, value = edit
+    node = meta
+    for part in path:
+        node = node[part]
+    node[key] = value
+    (copy / "meta.json").write_text(json.dumps(meta))
+    [error] = preflight(make(f"checkpoint.resume={copy}"), tmp_path / "run", copy)
+    for text in (str(copy), "meta.json cannot be a checkpoint's", expected, "Fix: if meta.json was edited by hand"):
+        assert text in error, f"{text!r} not in:\n{error}"
+
+
 @pytest.mark.slow
-def test_a_gpt_checkpoint_saved_before_tie_embeddings_resumes_only_untied(tmp_path, cli_env):
-    """A GPT checkpoint as saved before `model.bias` and `model.tie_embeddings`
-    existed (biases, and an untied head: its own `head.weight`): trained with
-    tie_embeddings=false and both keys dropped from its meta.json, which is all
-    that differs. The new default, a tied head (a load would keep one of the two
-    tables, silently), is refused before any rank starts, naming the key, and
-    writes nothing; `model.tie_embeddings=false` continues it, head and table apart. It exports
-    as saved: an untied GPT-2 checkpoint."""
-    run = tmp_path / "run"
-    args = [*ONE_RANK, *TINY_GPT, "train.seq_len=16", "checkpoint=full", f"hydra.run.dir={run}"]
-    check_ok(run_cli([*args, "train.steps=2", "model.tie_embeddings=false"], cli_env, REPO))
-    meta_file = run / "checkpoints" / "step_2" / "meta.json"
-    meta = json.loads(meta_file.read_text())
-    for model in (meta["model"], meta["config"]["model"]):
-        del model["bias"], model["tie_embeddings"]
-    meta_file.write_text(json.dumps(meta))
-    before = sorted(p.name for p in run.rglob("*"))
-    refused = run_cli([*args, "train.steps=3"], cli_env, REPO)
-    out = refused.stdout + refused.stderr
-    assert refused.returncode != 0 and "Traceback" not in out
-    assert "model.tie_embeddings: saved False (saved before the key existed), configured True" in out, out
-    assert "Fix: model.tie_embeddings=false to continue as saved" in out and "model.bias" not in out, out
-    assert sorted(p.name for p in run.rglob("*")) == before
-    check_ok(run_cli([*args, "train.steps=3", "model.tie_embeddings=false"], cli_env, REPO))
-    model = saved_state(run / "checkpoints" / "step_3", tmp_path)["model"]
-    assert not torch.equal(model["head.weight"], model["tok_emb.weight"])
-    # the old checkpoint exports as it was saved (untied, biases): transformers' GPT2LMHeadModel loads
-    # it and gives the logits of the harness's GPT holding its weights
+def test_checkpoints_of_earlier_versions_resume_to_the_same_continuation(tmp_path, cli_env):
+    """Every fixture, resumed by today's code with the overrides its run had, logs the training losses its
+    writing code went on to log, bit for bit (tests/probes/runs_probe.py: every run a job on the same two
+    ranks); the v0 GPT (biases, untied head) with `model.tie_embeddings=false`, as its refusal says. The v1 run
+    whose last period was cut to different lengths (balance=time) trains on with more steps to an exchange of
+    its own at the new end."""
+    runs = []
+    for name in OLD:
+        spec, step_dir = old_checkpoint(name)
+        run = tmp_path / name.replace("/", "_")
+        shutil.copytree(step_dir, run / "checkpoints" / step_dir.name)
+        overrides = list(spec["overrides"])
+        if name.startswith("v0/") and "model=gpt" in overrides:  # as the refusal of the new default says
+            overrides.append("model.tie_embeddings=false")
+        if name == "v1/uneven_cut_full":
+            overrides = [o for o in overrides if not o.startswith("train.steps")] + ["train.steps=31"]
+        overrides = [o for o in overrides if not o.startswith("launcher.")]
+        resume = {"run": str(run), "pick": spec["step"]}
+        runs.append(
+            {
+                "dir": str(run / "resumed"),
+                "overrides": overrides,
+                "slowdown": spec.get("slowdown", ""),
+                "resume": resume,
+            }
+        )
+    (tmp_path / "runs.json").write_text(json.dumps(runs))
+    check_ok(run_cli([str(tmp_path / "runs.json")], cli_env, tmp_path, ranks=2, script=RUNS_PROBE, timeout=600))
+    for name, run in zip(OLD, runs):
+        spec, _ = old_checkpoint(name)
+        resumed = {str(r["step"]): r["train/loss"] for r in read_metrics(Path(run["dir"])) if "train/loss" in r}
+        if spec["losses"]:
+            assert resumed == spec["losses"], name
+    uneven = Path(runs[list(OLD).index("v1/uneven_cut_full")]["dir"])
+    rows = read_metrics(uneven)
+    assert rows[-1]["step"] == 31 and rows[-1]["averager/averaged"] == 1, rows[-1]
+    assert json.loads((uneven / "checkpoints" / "step_31" / "meta.json").read_text())["clock"]["taken"] == [0, 0]
+
+
+@pytest.mark.slow
+def test_a_gpt_saved_before_tie_embeddings_is_refused_untied_and_exports_as_saved(tmp_path, cli_env):
+    """The v0 GPT (biases, and an untied head: its own `head.weight`, before `model.bias` and
+    `model.tie_embeddings` existed): the new default, a tied head (a load would keep one of the two
+    tables, silently), is refused before any rank starts, naming the key, and writes nothing;
+    `model.tie_embeddings=false` continues it (the continuation itself: the test above). Each earlier
+    GPT exports: transformers' GPT2LMHeadModel loads it and gives the logits of the harness's GPT holding
+    its weights (the diverged DiLoCo replicas: their mean)."""
     from transformers import GPT2LMHeadModel
 
     from harness.models import GPT
 
-    export = [sys.executable, "-m", "harness.export", str(run / "checkpoints" / "step_2"), str(tmp_path / "hf")]
-    check_ok(subprocess.run(export, env=cli_env, capture_output=True, text=True))
-    theirs = GPT2LMHeadModel.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
-    assert not theirs.config.tie_word_embeddings
-    ours = GPT(n_layer=1, n_head=2, d_model=32, vocab_size=256, seq_len=16, tie_embeddings=False).eval()
-    ours.load_state_dict(saved_state(run / "checkpoints" / "step_2", tmp_path)["model"])
-    logits, tokens = [], torch.randint(256, (2, 16), generator=torch.Generator().manual_seed(0))
-    ours.head.register_forward_hook(lambda module, args, out: logits.append(out))
-    with torch.no_grad():
-        ours(tokens, tokens)
-        torch.testing.assert_close(logits[0], theirs(input_ids=tokens).logits, rtol=1e-5, atol=1e-5)
+    spec, step_dir = old_checkpoint("v0/gpt_full")
+    run = tmp_path / "run"
+    shutil.copytree(step_dir, run / "checkpoints" / step_dir.name)
+    args = [*spec["overrides"], "train.steps=7", f"hydra.run.dir={run}"]
+    before = sorted(p.name for p in run.rglob("*"))
+    refused = run_cli(args, cli_env, REPO)
+    out = refused.stdout + refused.stderr
+    assert refused.returncode == 2 and "Traceback" not in out, out
+    assert "model.tie_embeddings: saved False (saved before the key existed), configured True" in out, out
+    assert "Fix: model.tie_embeddings=false to continue as saved" in out and "model.bias" not in out, out
+    assert sorted(p.name for p in run.rglob("*")) == before
+    tokens = torch.randint(64, (2, 16), generator=torch.Generator().manual_seed(0))
+    for name in ("v0/gpt_full", "v0/diloco_in_flight_full", "v0/gpt_sharded", "v1/diloco_in_flight_sharded"):
+        _, step_dir = old_checkpoint(name)
+        out = tmp_path / name.replace("/", "_")
+        export = [sys.executable, "-m", "harness.export", str(step_dir), str(out)]
+        check_ok(subprocess.run(export, env=cli_env, capture_output=True, text=True))
+        theirs = GPT2LMHeadModel.from_pretrained(out, dtype=torch.float32).eval()
+        assert theirs.config.tie_word_embeddings == name.startswith("v1"), name
+        if "sharded" in name:  # loaded above; its tensors are DCP's to read
+            continue
+        copies = [
+            torch.load(f, weights_only=True)["model"] for f in sorted(step_dir.glob("*.pt")) if f.name != "rng.pt"
+        ]
+        ours = GPT(n_layer=2, n_head=2, d_model=16, vocab_size=64, seq_len=16, tie_embeddings=False).eval()
+        ours.load_state_dict({k: sum(c[k] for c in copies) / len(copies) for k in copies[0]})
+        logits = []
+        hook = ours.head.register_forward_hook(lambda module, args, out, logits=logits: logits.append(out))
+        with torch.no_grad():
+            ours(tokens, tokens)
+            torch.testing.assert_close(logits[0], theirs(input_ids=tokens).logits, rtol=1e-5, atol=1e-5)
+        hook.remove()
 
 
 @pytest.mark.slow

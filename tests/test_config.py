@@ -24,16 +24,11 @@ from harness.plan import plan_run
 from harness.preflight import preflight
 from harness.validate import validate
 
-from support import REPO
+from support import REPO, checkpoint_meta, make
 
 register_configs()
 CONF = REPO / "conf"
 GROUPS = ["model", "data", "optimizer", "averager", "sharding", "checkpoint", "wandb"]
-
-
-def make(*overrides: str):
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        return compose("config", overrides=list(overrides))
 
 
 def options(group: str) -> list[str]:
@@ -403,7 +398,7 @@ def fake_checkpoint(step_dir, step: int, **meta):
     import json
 
     step_dir.mkdir(parents=True)
-    base = {"step": step, "model": OmegaConf.to_container(make().model), "optimizer": "torch.optim.AdamW"}
+    base = checkpoint_meta(step, model=OmegaConf.to_container(make().model), optimizer="torch.optim.AdamW")
     (step_dir / "meta.json").write_text(json.dumps({**base, **meta}))
     return step_dir
 

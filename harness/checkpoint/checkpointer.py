@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from harness import metrics
 from harness.checkpoint.files import RNG_FILE, CheckpointError, commit, read_meta, remove_leftovers, unreadable
 from harness.checkpoint.full import FullMode
+from harness.checkpoint.meta import FORMAT
 from harness.checkpoint.replicas import inner_optimizer, load_mean_of_copies, local_tensors, replica_layout
 from harness.checkpoint.sharded import AsyncShardedMode, ShardedMode
 from harness.clock import Tick
@@ -91,6 +92,7 @@ class Checkpointer:
         parts = job.checkpoint_parts()
         part_tensors = {name: tensors for name, part in parts.items() if (tensors := tensor_state(part))}
         meta = {
+            "format": FORMAT,
             "step": step,
             "mode": self.cfg.mode,
             **{name: part.state_dict() for name, part in parts.items()},
@@ -188,10 +190,19 @@ class Checkpointer:
             return {metrics.CHECKPOINT_BYTES: commit(partial, meta, rngs, self.cfg.keep)}
 
 
-def load(path: Path, job: Job, rank: int) -> tuple[dict, dict]:
+@dataclass
+class Loaded:
+    """What `load` restored."""
+
+    meta: dict  # the checkpoint's meta.json, in today's format
+    row: dict  # its metrics
+    models: int  # the different models its replicas' copies held (more than 1: every replica took their mean)
+
+
+def load(path: Path, job: Job, rank: int) -> Loaded:
     """Restore model, optimizer, RNG states and the job's stateful parts from the
-    checkpoint at `path`; returns (meta, metrics). Collective. Raises
-    CheckpointError naming the path when a file is missing or damaged."""
+    checkpoint at `path`. Collective. Raises CheckpointError naming the path when
+    a file is missing or damaged."""
     start = time.perf_counter()
     meta = read_meta(path)
     layout = replica_layout(job)
@@ -203,20 +214,31 @@ def load(path: Path, job: Job, rank: int) -> tuple[dict, dict]:
         with _loading(path):
             return mode.load_copy(path, copy_key, job.model, optim)
 
+    models = 1
     if copies == 1:
         set_s = load_copy(None)
     elif layout.local_sgd and copies == layout.replicas:
         set_s = load_copy(f"replica_{layout.replica}" if layout.replica > 0 else None)
+        models = copies
     else:
-        if rank == 0:
+        set_s, params_apart, states_apart = load_mean_of_copies(job, copies, load_copy)
+        models = copies if params_apart else 1
+        this_run = f"this run has {layout.replicas}{'' if layout.local_sgd else ' and no averager'}"
+        if rank == 0 and params_apart:
             log.warning(
-                "checkpoint %s holds %d diverged replicas, this run has %d%s: every replica starts from their mean",
+                "checkpoint %s holds %d diverged replicas, %s: every replica starts from their mean",
                 path,
                 copies,
-                layout.replicas,
-                "" if layout.local_sgd else " and no averager",
+                this_run,
             )
-        set_s = load_mean_of_copies(job, copies, load_copy)
+        elif rank == 0 and states_apart:
+            log.warning(
+                "checkpoint %s holds %d replicas of one model (each with its own optimizer state), %s: every "
+                "replica starts from that model and the mean of their optimizer states",
+                path,
+                copies,
+                this_run,
+            )
     _restore_rngs(path, rank)
     parts: dict[str, Stateful] = job.checkpoint_parts()
     for name, part in parts.items():
@@ -230,7 +252,8 @@ def load(path: Path, job: Job, rank: int) -> tuple[dict, dict]:
     for name in templates:
         parts[name].load_tensor_state_dict(saved.get(name))
     synchronize(job.data.device)
-    return meta, {metrics.CHECKPOINT_LOAD: time.perf_counter() - start, metrics.CHECKPOINT_SET_STATE_DICT: set_s}
+    row = {metrics.CHECKPOINT_LOAD: time.perf_counter() - start, metrics.CHECKPOINT_SET_STATE_DICT: set_s}
+    return Loaded(meta, row, models)
 
 
 def tensor_state(part: Stateful) -> dict:

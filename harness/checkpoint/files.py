@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from harness.checkpoint import meta as meta_format
 from harness.checkpoint_paths import META, complete_checkpoints
 from harness.config import decays_matrices_only
 
@@ -64,13 +65,14 @@ RESUME_FIX = "Fix: point checkpoint.resume at a step_<N> directory written by ha
 
 
 def read_meta(path: Path) -> dict:
-    """`meta.json` of the checkpoint at `path`; CheckpointError when missing or unreadable."""
+    """`meta.json` of the checkpoint at `path`, in today's format whichever version wrote it (`meta.upgrade`);
+    CheckpointError when missing, unreadable, or a field is of the wrong type or out of range."""
     if not path.exists():
         raise unreadable(path, "no such file or directory", RESUME_FIX)
     if not path.is_dir():
         raise unreadable(path, "a file, not a checkpoint (a step_<N> directory holding meta.json)", RESUME_FIX)
     try:
-        return json.loads((path / META).read_text())
+        raw = json.loads((path / META).read_text())
     except FileNotFoundError:
         raise unreadable(
             path,
@@ -80,6 +82,19 @@ def read_meta(path: Path) -> dict:
         ) from None
     except (OSError, ValueError) as e:
         raise unreadable(path, f"{META} is unreadable ({e}); the checkpoint is corrupt", RESUME_FIX) from None
+    found = meta_format.problems(raw, upgrading=True)
+    if not found:
+        meta = meta_format.upgrade(raw)
+        found = meta_format.problems(meta)
+    if found:
+        raise unreadable(path, f"its {META} cannot be a checkpoint's: {'; '.join(found)}", META_FIX)
+    return meta
+
+
+META_FIX = (
+    f"Fix: if {META} was edited by hand, put back what the run wrote; else resume from another checkpoint "
+    "(checkpoint.resume=<its step_<N> dir>), or checkpoint.resume=never with a new hydra.run.dir."
+)
 
 
 def saved_model_config(model: dict) -> dict:
