@@ -76,18 +76,36 @@ def group_checkpoints(cfg: DictConfig, run_dir: Path) -> dict[int, list[Path]]:
     }
 
 
+def groups_at_one_step(cfg: DictConfig, run_dir: Path) -> list[Path]:
+    """A fault-tolerant run's one model to take, as checkpoints: every replica group's at the newest step all
+    groups with checkpoints saved (an export averages them, and so does a run of one world resuming them);
+    without a step in common, the furthest group's newest alone; [] without group checkpoints."""
+    groups = [done for done in group_checkpoints(cfg, run_dir).values() if done]
+    if not groups:
+        return []
+    common = set.intersection(*({step_of(p) for p in done} for done in groups))
+    if not common:
+        return [max((done[-1] for done in groups), key=step_of)]
+    return [next(p for p in done if step_of(p) == max(common)) for done in groups]
+
+
 def run_resume_path(cfg: DictConfig, run_dir: Path, replica_groups: bool) -> Path | None:
     """The checkpoint the run resumes from, for what is decided before any rank starts (nothing
     left to train, the resume warnings, the architecture). With `checkpoint.resume=auto` it is the
     run's newest whichever layout saved it: with `replica_groups` (fault_tolerance=torchft) each
     group resumes its own newest and the first quorum heals the groups behind from the furthest, so
-    the run resumes where its furthest group is; a run of one world resumes its own newest. Either
+    the run resumes where its furthest group is; a run of one world resumes its own newest, or the
+    groups' at their newest common step (`groups_at_one_step`: it starts from their mean). Either
     takes the other layout's when the run dir holds only that (`group_resume_path` for a group)."""
     if cfg.resume != "auto":
         return resume_path(cfg, run_dir)
     own = resume_path(cfg, run_dir)
-    furthest = max((done[-1] for done in group_checkpoints(cfg, run_dir).values() if done), key=step_of, default=None)
-    return (furthest or own) if replica_groups else (own or furthest)
+    if replica_groups:
+        furthest = max(
+            (done[-1] for done in group_checkpoints(cfg, run_dir).values() if done), key=step_of, default=None
+        )
+        return furthest or own
+    return own or next(iter(groups_at_one_step(cfg, run_dir)), None)
 
 
 def group_resume_path(cfg: DictConfig, run_dir: Path, replica_id: int) -> Path | None:

@@ -30,6 +30,28 @@ class ConfigError(ValueError):
     """A config that cannot run; the message names key, value and fix."""
 
 
+class OnResume(str, Enum):
+    """What a resume does with a key whose value changed since the checkpoint (harness/resume.py)."""
+
+    honoured = "honoured"  # the resumed run runs with the new value from its first step
+    replanned = "replanned"  # the run's clock derives its plan again from the checkpoint's inputs, for the new value
+    refused = "refused"  # refused before any rank starts: the checkpoint holds what the saved value made
+
+
+@dataclass(frozen=True)
+class Resume:
+    """A key's resume rule: `on`, and what the resumed run does with a new value, in words (the resume's
+    log line, docs/configuration.md's table); a rule may refuse some changes (its words say which)."""
+
+    on: OnResume
+    does: str
+
+
+HONOURED = Resume(OnResume.honoured, "from the resumed run's first step")
+SHAPE = Resume(OnResume.refused, "the checkpoint holds this model's parameters; another model cannot load them")
+DATA = Resume(OnResume.refused, "the data position is a count of the saved data's samples, in its order")
+
+
 class Choice(str, Enum):
     """One of a fixed set of strings; compares, prints and serialises as its string."""
 
@@ -134,12 +156,14 @@ class LauncherConf:
     # per visible GPU when the ranks use CUDA, else 2
     nproc: Optional[int] = None
     start_method: StartMethod = StartMethod.auto
+    RESUME: ClassVar[Dict[str, Resume]] = {"nproc": HONOURED, "start_method": HONOURED}
 
 
 @dataclass
 class DistConf:
     timeout_s: int = 600  # process-group timeout: a hung collective fails after this
     threads_per_rank: Optional[int] = None  # CPU threads per rank; null = cores / ranks on the machine (all groups')
+    RESUME: ClassVar[Dict[str, Resume]] = {"timeout_s": HONOURED, "threads_per_rank": HONOURED}
 
 
 @dataclass
@@ -153,6 +177,9 @@ class ProfileConf:
     repeat: int = 1  # windows of wait + warmup + active recorded; 0 = until the run ends
     keep: int = 5  # newest windows' traces and tables kept per rank (older ones deleted: repeat=0 fills no disk)
     memory_snapshot: bool = False  # CUDA: the allocator's history up to the first window's end (memory_viz)
+    RESUME: ClassVar[Dict[str, Resume]] = dict.fromkeys(
+        ("enabled", "wait", "warmup", "active", "repeat", "keep", "memory_snapshot"), HONOURED
+    )
 
 
 @dataclass
@@ -179,9 +206,41 @@ class TrainConf:
     # same every pass; "all": every window of the split (a full pass, for final numbers)
     eval_batches: Any = 4
     profile: ProfileConf = field(default_factory=ProfileConf)
+    RESUME: ClassVar[Dict[str, Resume]] = {
+        "steps": Resume(
+            OnResume.replanned,
+            "trains on to the new end (fewer: stops there), the period under way planned again and the last "
+            "ended by an exchange; at or below the checkpoint's step refused: nothing is left to train",
+        ),
+        "batch_size": Resume(
+            OnResume.honoured,
+            "the data position (samples of the run so far) carries over: the next unread samples, none twice",
+        ),
+        "grad_accum": Resume(
+            OnResume.honoured,
+            "the data position (samples of the run so far) carries over: the next unread samples, none twice",
+        ),
+        "seq_len": Resume(
+            OnResume.refused,
+            "the data position counts windows of the saved length, and a GPT's position table has that many rows",
+        ),
+        "seed": Resume(OnResume.refused, "the data's order follows the seed: another would read samples twice"),
+        "float8": Resume(
+            OnResume.honoured,
+            "the weights and optimizer state load as saved (plain tensors either way); the steps after train in "
+            "the new precision",
+        ),
+        **dict.fromkeys(
+            ("log_every", "device", "grad_clip", "nonfinite", "compile", "peak_tflops", "eval_every", "eval_batches"),
+            HONOURED,
+        ),
+    }
 
 
 # --- model ----------------------------------------------------------------------
+
+
+DROPOUT = Resume(OnResume.honoured, "dropout has no parameter: from the resumed run's first step")
 
 
 @dataclass
@@ -192,6 +251,10 @@ class ModelHarnessKeys:
     # a local Hugging Face checkpoint directory (safetensors) to start from, read through DCP;
     # models with Hugging Face's layout only (llama, hf): docs/models.md
     init_from: Optional[str] = None
+    RESUME: ClassVar[Dict[str, Resume]] = {
+        "activation_checkpointing": Resume(OnResume.honoured, "recomputing changes no parameter"),
+        "init_from": Resume(OnResume.honoured, "not read: a resume's weights are the checkpoint's"),
+    }
 
 
 @dataclass
@@ -208,6 +271,10 @@ class GPTConf(ModelHarnessKeys):
     bias: bool = True  # biases in every Linear and LayerNorm, as GPT-2 (nanoGPT's bias=False: none)
     tie_embeddings: bool = True  # the output head is the token embedding table, as GPT-2 and nanoGPT
     dropout: float = 0.0  # embedding, attention and residual dropout, nanoGPT's (each rank's seeded torch RNG)
+    RESUME: ClassVar[Dict[str, Resume]] = {
+        **dict.fromkeys(("_target_", "n_layer", "n_head", "d_model", "vocab_size", "bias", "tie_embeddings"), SHAPE),
+        "dropout": DROPOUT,
+    }
 
 
 @dataclass
@@ -218,6 +285,10 @@ class MLPConf(ModelHarnessKeys):
     hidden: int = 256
     vocab_size: int = 256
     dropout: float = 0.0  # residual dropout (drawn from each rank's seeded torch RNG)
+    RESUME: ClassVar[Dict[str, Resume]] = {
+        **dict.fromkeys(("_target_", "n_layer", "d_model", "hidden", "vocab_size"), SHAPE),
+        "dropout": DROPOUT,
+    }
 
 
 @dataclass
@@ -243,6 +314,28 @@ class LlamaConf(ModelHarnessKeys):
     tie_embeddings: bool = False  # the output projection is the embedding table
     vocab_size: int = 256
     dropout: float = 0.0  # attention and residual dropout (drawn from each rank's seeded torch RNG)
+    RESUME: ClassVar[Dict[str, Resume]] = {
+        **dict.fromkeys(
+            (
+                "_target_",
+                "n_layer",
+                "d_model",
+                "n_heads",
+                "n_kv_heads",
+                "multiple_of",
+                "ffn_dim_multiplier",
+                "intermediate_size",
+                "norm_eps",
+                "rope_theta",
+                "rope_scaling",
+                "tie_embeddings",
+                "vocab_size",
+            ),
+            SHAPE,
+        ),
+        "max_position_embeddings": Resume(OnResume.honoured, "recorded for an export; positions are not limited by it"),
+        "dropout": DROPOUT,
+    }
 
 
 @dataclass
@@ -264,6 +357,9 @@ class HFConf(ModelHarnessKeys):
         }
     )
     vocab_size: int = 256
+    RESUME: ClassVar[Dict[str, Resume]] = dict.fromkeys(
+        ("_target_", "config", "model_type", "config_overrides", "vocab_size"), SHAPE
+    )
 
 
 # --- data -----------------------------------------------------------------------
@@ -273,6 +369,7 @@ class HFConf(ModelHarnessKeys):
 class SyntheticDataConf:
     _target_: str = "harness.data.SyntheticTokens"
     noise: float = 0.1  # probability that a token breaks the learnable pattern
+    RESUME: ClassVar[Dict[str, Resume]] = {"_target_": DATA, "noise": DATA}
 
 
 @dataclass
@@ -283,6 +380,10 @@ class TextDataConf:
     max_bytes: int = 64 * 2**20  # stop reading files past this many bytes
     eval_fraction: float = 0.01  # the corpus's last bytes held out for eval/loss, never trained on
     cache_dir: str = "~/.cache/harness"
+    RESUME: ClassVar[Dict[str, Resume]] = {
+        **dict.fromkeys(("_target_", "root", "glob", "max_bytes", "eval_fraction"), DATA),
+        "cache_dir": Resume(OnResume.honoured, "where the tokenized corpus is cached: the same tokens"),
+    }
 
 
 class TokenFormat(Choice):
@@ -298,9 +399,35 @@ class TokensDataConf:
     path: Optional[str] = None  # a `python -m harness.prepare` output directory
     sources: Optional[List[Any]] = None  # instead of path, a mixture: [{path: <dir>, weight: 0.7}, ...]
     format: TokenFormat = TokenFormat.harness
+    RESUME: ClassVar[Dict[str, Resume]] = dict.fromkeys(("_target_", "path", "sources", "format"), DATA)
 
 
 # --- optimizer ------------------------------------------------------------------
+
+# a setting of the optimizer's param groups: the run's config wins over the checkpoint's groups
+OPTIMIZER_SETTING = Resume(
+    OnResume.honoured,
+    "the run's value replaces the checkpoint's in the optimizer's param groups (a scheduled lr: the schedule's at "
+    "the saved position)",
+)
+DECAY = Resume(
+    OnResume.honoured,
+    "the run's decay replaces the checkpoint's; refused where it would change the weight-decay groups (their "
+    "saved state loads into the same groups only)",
+)
+
+
+def optimizer_rules(*settings: str) -> dict[str, Resume]:
+    """An optimizer option's rules: its class refused, its `settings` and weight decay honoured."""
+    return {
+        "_target_": Resume(OnResume.refused, "the checkpoint holds the saved optimizer's state"),
+        "_partial_": HONOURED,
+        **dict.fromkeys(settings, OPTIMIZER_SETTING),
+        **dict.fromkeys(("weight_decay", "decay_1d"), DECAY),
+        "in_backward": Resume(
+            OnResume.honoured, "the per-parameter optimizers save and load the same parameter-keyed state"
+        ),
+    }
 
 
 @dataclass
@@ -314,6 +441,7 @@ class SGDConf:
     fused: Optional[bool] = None  # null = fused kernels on CUDA, the class's default elsewhere
     in_backward: bool = False  # step each parameter as soon as its gradient is ready (FSDP2 strategies)
     decay_1d: bool = False  # weight decay on 1-D parameters too (biases, norm weights); false: matrices only
+    RESUME: ClassVar[Dict[str, Resume]] = optimizer_rules("lr", "momentum", "nesterov", "fused")
 
 
 @dataclass
@@ -327,6 +455,7 @@ class AdamConf:
     fused: Optional[bool] = None  # null = fused kernels on CUDA, the class's default elsewhere
     in_backward: bool = False  # step each parameter as soon as its gradient is ready (FSDP2 strategies)
     decay_1d: bool = False  # weight decay on 1-D parameters too (biases, norm weights); false: matrices only
+    RESUME: ClassVar[Dict[str, Resume]] = optimizer_rules("lr", "betas", "eps", "fused")
 
 
 @dataclass
@@ -346,11 +475,14 @@ def decays_matrices_only(optimizer) -> bool:
 
 # --- learning-rate schedule (harness.lr_schedules) -------------------------------
 
+SCHEDULE = Resume(OnResume.honoured, "the new schedule from the saved position (its step)")
+
 
 @dataclass
 class ConstantLRConf:
     _target_: str = "harness.lr_schedules.Constant"
     _partial_: bool = True
+    RESUME: ClassVar[Dict[str, Resume]] = {"_target_": SCHEDULE, "_partial_": SCHEDULE}
 
 
 @dataclass
@@ -359,6 +491,9 @@ class WarmupCosineLRConf:
     _partial_: bool = True
     warmup_steps: int = 20  # linear warmup from optimizer.lr / warmup_steps up to optimizer.lr
     min_lr_ratio: float = 0.1  # cosine decay to this fraction of optimizer.lr at the last step
+    RESUME: ClassVar[Dict[str, Resume]] = dict.fromkeys(
+        ("_target_", "_partial_", "warmup_steps", "min_lr_ratio"), SCHEDULE
+    )
 
 
 @dataclass
@@ -368,6 +503,9 @@ class WSDLRConf:
     warmup_steps: int = 20
     decay_fraction: float = 0.2  # the last 20 % of train.steps decay linearly ...
     min_lr_ratio: float = 0.0  # ... to this fraction of optimizer.lr
+    RESUME: ClassVar[Dict[str, Resume]] = dict.fromkeys(
+        ("_target_", "_partial_", "warmup_steps", "decay_fraction", "min_lr_ratio"), SCHEDULE
+    )
 
 
 @dataclass
@@ -378,9 +516,27 @@ class StepLRConf:
     _partial_: bool = True
     milestones: List[int] = field(default_factory=lambda: [100, 150])  # steps after which the lr decays
     gamma: float = 0.1
+    RESUME: ClassVar[Dict[str, Resume]] = dict.fromkeys(("_target_", "_partial_", "milestones", "gamma"), SCHEDULE)
 
 
 # --- averager -------------------------------------------------------------------
+
+AVERAGER = Resume(
+    OnResume.replanned,
+    "the new averager's plan from the checkpoint's step (none: synchronous, every replica from the mean of the "
+    "saved copies; DiLoCo without outer state in the checkpoint: its outer copy from that mean)",
+)
+PLAN = Resume(
+    OnResume.replanned,
+    "the period under way planned again from its start (a replica past its new share takes one more step, "
+    "then the exchange); the periods after follow the new value",
+)
+WARMUP = Resume(
+    OnResume.replanned,
+    "synchronous up to the new value (lower: local from the checkpoint's step, DiLoCo's outer copy set there); "
+    "refused above the checkpoint's step once its replicas trained apart (a warmup averages gradients, not models)",
+)
+COMM = Resume(OnResume.honoured, "from the next exchange")
 
 
 @dataclass
@@ -390,11 +546,13 @@ class PaceConf:
     balance: Balance = Balance.steps  # time: local steps balanced by each replica's measured speed
     period_schedule: PeriodSchedule = PeriodSchedule.fixed  # adacomm: the period follows the training loss
     min_period: int = 1  # adacomm never shortens the period below this
+    RESUME: ClassVar[Dict[str, Resume]] = dict.fromkeys(("balance", "period_schedule", "min_period"), PLAN)
 
 
 @dataclass
 class NoAveragerConf:
     _target_: Optional[str] = None  # synchronous: gradients are averaged across replicas every step
+    RESUME: ClassVar[Dict[str, Resume]] = {"_target_": AVERAGER}
     # what refuses another averager's key given here (`averager=none averager.balance=time`)
     OTHER_KEYS: ClassVar[str] = (
         "averager=none trains synchronously (gradients averaged every step): no local steps to average, "
@@ -409,6 +567,12 @@ class PeriodicAveragerConf(PaceConf):
     period: int = 4  # average parameters across replicas every `period` steps ...
     warmup_steps: int = 10  # ... after this many fully synchronous steps
     comm_dtype: CommDType = CommDType.float32  # dtype the averaged tensors cross replicas in
+    RESUME: ClassVar[Dict[str, Resume]] = {
+        "_target_": AVERAGER,
+        "period": PLAN,
+        "warmup_steps": WARMUP,
+        "comm_dtype": COMM,
+    }
 
 
 @dataclass
@@ -422,6 +586,12 @@ class HierarchicalAveragerConf(PaceConf):
     period_group_size: List[List[int]] = field(default_factory=lambda: [[2, 2], [8, 4]])
     warmup_steps: int = 10
     comm_dtype: CommDType = CommDType.float32
+    RESUME: ClassVar[Dict[str, Resume]] = {
+        "_target_": AVERAGER,
+        "period_group_size": PLAN,
+        "warmup_steps": WARMUP,
+        "comm_dtype": COMM,
+    }
 
 
 @dataclass
@@ -443,9 +613,33 @@ class DiLoCoAveragerConf(PaceConf):
     # (torchft's fragment_update_alpha): 0 takes the outer parameters, as DiLoCo does
     mix: float = 0.0
     outer_optimizer: Any = None  # a torch.optim class: the averager/outer_optimizer group
+    RESUME: ClassVar[Dict[str, Resume]] = {
+        "_target_": AVERAGER,
+        "period": PLAN,
+        "warmup_steps": WARMUP,
+        "comm_dtype": COMM,
+        "fragments": Resume(
+            OnResume.replanned,
+            "the new fragments from the next exchange; refused with a sync in flight in the checkpoint (its mean "
+            "is the old fragment's)",
+        ),
+        "outer_device": Resume(OnResume.honoured, "the outer copy and state load where the new value says"),
+        "sync_delay": Resume(
+            OnResume.honoured,
+            "from the next sync; a sync in flight in the checkpoint is applied before the first step once the "
+            "new delay is over (0 included)",
+        ),
+        "mix": Resume(OnResume.honoured, "from the next sync applied"),
+        "outer_optimizer._target_": Resume(
+            OnResume.honoured,
+            "the new outer optimizer from the next sync; refused where the checkpoint holds the saved one's state",
+        ),
+    }
 
 
 # --- sharding -------------------------------------------------------------------
+
+LAYOUT = Resume(OnResume.honoured, "the checkpoint reshards into the new layout, exactly")
 
 
 @dataclass
@@ -461,6 +655,15 @@ class ShardingConf:
     param_dtype: DType = DType.auto
     # gradient reductions: FSDP2's reduce-scatter; a replica of one rank's gradient buckets where they cross replicas
     reduce_dtype: DType = DType.float32
+    RESUME: ClassVar[Dict[str, Resume]] = {
+        **dict.fromkeys(("strategy", "param_dtype", "reduce_dtype"), LAYOUT),
+        "replicate": Resume(
+            OnResume.replanned,
+            "another replica count: the global step stays, each replica's figures start afresh, a period the "
+            "replicas were apart in starts over at the checkpoint's step, every replica from the mean of the "
+            "saved copies",
+        ),
+    }
 
 
 # --- fault tolerance ------------------------------------------------------------
@@ -489,6 +692,27 @@ class FaultToleranceConf:
     # exchanges across replica groups in a row that may fail to commit (each within timeout_s) before the run
     # stops: a run whose exchanges never commit trains nothing
     max_failed_exchanges: int = 5
+    RESUME: ClassVar[Dict[str, Resume]] = {
+        "mode": Resume(
+            OnResume.replanned,
+            "replica groups from one world's checkpoint, or one world from the groups' (at their newest common "
+            "step): every replica from the mean of the copies, said in the log",
+        ),
+        **dict.fromkeys(
+            (
+                "min_replicas",
+                "lighthouse",
+                "replica_id",
+                "quorum_timeout_s",
+                "timeout_s",
+                "heartbeat_timeout_s",
+                "join_timeout_s",
+                "max_restarts",
+                "max_failed_exchanges",
+            ),
+            HONOURED,
+        ),
+    }
 
 
 # --- checkpoint / wandb ---------------------------------------------------------
@@ -503,6 +727,9 @@ class CheckpointConf:
     dir: Optional[str] = None  # null = <run dir>/checkpoints
     # + `async: bool = False` (sharded only: dcp.async_save), added by
     # `checkpoint_schema` because `async` is a Python keyword.
+    RESUME: ClassVar[Dict[str, Resume]] = dict.fromkeys(
+        ("mode", "interval", "keep", "resume", "dir", "async"), HONOURED
+    )
 
 
 def checkpoint_schema() -> DictConfig:
@@ -538,6 +765,10 @@ class WandbConf:
     name: Optional[str] = None
     tags: List[str] = field(default_factory=list)
     init_timeout_s: float = 90.0  # W&B's own default; online without network falls back to offline after this
+    RESUME: ClassVar[Dict[str, Resume]] = dict.fromkeys(
+        ("mode", "project", "entity", "group", "name", "tags", "init_timeout_s"),
+        Resume(OnResume.honoured, "a resumed run is a W&B run of its own, from the checkpoint's step"),
+    )
 
 
 @dataclass
@@ -545,6 +776,7 @@ class MetricsConf:
     # also write every metric as TensorBoard event files in <run dir>/tensorboard/, for clusters whose compute
     # nodes cannot reach W&B (needs the `tensorboard` extra)
     tensorboard: bool = False
+    RESUME: ClassVar[Dict[str, Resume]] = {"tensorboard": HONOURED}
 
 
 @dataclass

@@ -31,7 +31,7 @@ from omegaconf import OmegaConf
 
 from harness.checkpoint import CheckpointError, checkpoint_dir, complete_checkpoints, load
 from harness.checkpoint.files import read_meta, saved_model_config
-from harness.checkpoint_paths import group_checkpoints, step_of
+from harness.checkpoint_paths import group_checkpoints, groups_at_one_step, step_of
 from harness.config import ConfigError, SyntheticDataConf
 from harness.dist import init_distributed, teardown
 from harness.job import build_job
@@ -62,14 +62,14 @@ def find_checkpoints(source: Path, group: int | None = None) -> list[Path]:
             )
         return [groups[group][-1]]
     if groups:
-        steps = set.intersection(*({step_of(p) for p in done} for done in groups.values()))
-        if not steps:
+        found = groups_at_one_step(checkpoint, source)
+        if len(found) < len(groups):  # no step in common
             newest = ", ".join(f"group {r}: step {step_of(done[-1])}" for r, done in groups.items())
             raise ConfigError(
                 f"{str(source)!r}: its replica groups saved no step in common ({newest}), so there is no one model "
                 "to take. Fix: name a group (export: --group <r>; generate: group=<r>)."
             )
-        return [next(p for p in done if step_of(p) == max(steps)) for done in groups.values()]
+        return found
     for root in [checkpoint_dir(checkpoint, source), source]:
         if done := complete_checkpoints(root):
             return [done[-1]]

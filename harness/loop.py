@@ -60,7 +60,7 @@ def run_rank(cfg: DictConfig, run_dir: Path, plan: RunPlan) -> None:
             f", {torch.get_num_threads()} thread(s)" if env.device.type == "cpu" else "",
         )
         log.info("replicas: %s", describe_replicas(job.mesh, node_of_each_rank()))
-        with Trainer(job, cfg, env, run_dir, resume_from, replica_group=plan.replica_id) as trainer:
+        with Trainer(job, cfg, env, run_dir, resume_from, plan.resume_with, plan.replica_id) as trainer:
             trainer.run()
     except PeersFinished as e:
         log.warning("%s", e)
@@ -83,6 +83,7 @@ class Trainer:
         env: DistEnv,
         run_dir: Path,
         resume_from: Path | None = None,
+        resume_with: tuple[Path, ...] = (),
         replica_group: int | None = None,
     ):
         self.job, self.cfg, self.env = job, cfg.train, env
@@ -115,7 +116,7 @@ class Trainer:
         self.profiler = None
         if resume_from is not None:
             try:
-                self.restore(resume_from)
+                self.restore(resume_from, resume_with)
             except BaseException:  # not yet inside `with`: close the sinks here
                 self.sink.close()
                 raise
@@ -141,12 +142,14 @@ class Trainer:
         finally:
             self.sink.close()
 
-    def restore(self, path: Path) -> None:
-        """Resume from the checkpoint at `path`; its load metrics are logged at its step."""
-        row = load(path, self.job, self.env.rank).row
+    def restore(self, path: Path, others: tuple[Path, ...] = ()) -> None:
+        """Resume from the checkpoint at `path` (with `others`, replica groups' at its step: from their mean);
+        its load metrics are logged at its step."""
+        row = load(path, self.job, self.env.rank, others).row
         step = self.clock.step
         log.info("resumed from %s at step %d (%.2f s)", path, step, row[metrics.CHECKPOINT_LOAD])
-        self.sink.rewind(step)  # rows past the checkpoint are about to be logged again
+        if aside := self.sink.rewind(step):  # rows past the checkpoint are about to be logged again
+            log.warning("metrics.jsonl held rows past step %d, of the run before this resume: moved to %s", step, aside)
         row[metrics.RUN_RESUMED_FROM] = step
         row[metrics.RUN_RESTARTS] = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
         self.sink.log(row, step)

@@ -75,7 +75,7 @@ class WarmupStableDecay(LambdaLR):
         super().__init__(optimizer, factor)
 
 
-# what a scheduler's state holds beyond the config: its position, and the lr it reached
+# what a scheduler's state holds beyond the config: its position, the lr it reached and the rates it started from
 POSITION_KEYS = ("last_epoch", "_step_count", "_last_lr", "base_lrs")
 
 
@@ -106,13 +106,22 @@ class LRSchedule:
         return {key: state[key] for key in POSITION_KEYS if key in state}
 
     def load_state_dict(self, state: dict) -> None:
-        """A checkpoint saved without a schedule (before schedules existed) is at position `step` (its meta.json's
-        upgrade says so: harness/checkpoint/meta.py)."""
-        position = {key: state[key] for key in POSITION_KEYS if key in state}
+        """The saved position. The rates come from the run's `optimizer.lr` (the schedulers' base rates, as
+        built): where it is the saved one, the saved rates, bit for bit; else the schedule's rates of the new
+        one at that position, set into the optimizer's param groups, whose saved rates the load put there (a
+        checkpoint saved before schedules existed is at position `step`: harness/checkpoint/meta.py)."""
+        position = {key: state[key] for key in ("last_epoch", "_step_count") if key in state}
         for scheduler in self.schedulers:
             scheduler.__dict__.update(position)
-            if "_last_lr" not in position:
-                scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+            if state.get("base_lrs") == scheduler.base_lrs and "_last_lr" in state:
+                rates = list(state["_last_lr"])
+            else:
+                with warnings.catch_warnings():  # torch warns of get_lr outside step(): the closed form is wanted
+                    warnings.filterwarnings("ignore", "To get the last learning rate computed", UserWarning)
+                    rates = getattr(scheduler, "_get_closed_form_lr", scheduler.get_lr)()
+            scheduler._last_lr = rates
+            for group, rate in zip(scheduler.optimizer.param_groups, rates):
+                group["lr"] = rate
 
 
 def depends_on_total_steps(cfg: DictConfig) -> bool:

@@ -135,7 +135,11 @@ AVERAGER_FRAGMENT = Metric(
 )
 EXCHANGE = "exchanges, with `averager.balance=time` or `averager.period_schedule=adacomm`"
 AVERAGER_PERIOD = Metric(
-    "averager/period", "steps", EXCHANGE, "the period in force up to this exchange (adacomm: the one it shortens)"
+    "averager/period",
+    "steps",
+    EXCHANGE,
+    "the period this exchange ends, as taken: its longest replica's local steps (times the fragments; the first "
+    "and a cut last period's too)",
 )
 REPLICA_LOCAL_STEPS = Metric(
     "replica/local_steps/*", "steps", EXCHANGE, "local steps replica `*` took since the previous exchange"

@@ -12,7 +12,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from harness import fault_tolerance
-from harness.checkpoint_paths import run_resume_path
+from harness.checkpoint_paths import groups_at_one_step, run_resume_path
 from harness.mesh import mesh_shape
 
 
@@ -26,6 +26,9 @@ class RunPlan:
     # fault_tolerance=torchft: this process's replica group, a world of `shard` ranks whose mesh is
     # (1, shard); `replicate` counts the groups, joined by torchft's Manager. None: one world, the whole mesh
     replica_id: int | None = None
+    # a run of one world resuming a fault-tolerant run's replica groups: the other groups' checkpoints at the
+    # step of `resume_from`, one of them; every replica starts from the mean of their models
+    resume_with: tuple[Path, ...] = ()
 
     @property
     def group_world_size(self) -> int:
@@ -46,10 +49,13 @@ def plan_run(cfg: DictConfig, world_size: int, local_world_size: int, run_dir: P
     """The plan for `cfg` on `world_size` ranks (`local_world_size` per node);
     `cfg` has passed `validate`, so the mesh shape exists."""
     replicate, shard = mesh_shape(cfg.sharding.strategy, cfg.sharding.replicate, world_size, local_world_size)
+    resume_from = run_resume_path(cfg.checkpoint, run_dir, fault_tolerance.enabled(cfg))
+    groups = [] if fault_tolerance.enabled(cfg) else groups_at_one_step(cfg.checkpoint, run_dir)
     return RunPlan(
         world_size=world_size,
         replicate=replicate,
         shard=shard,
         averaging=averager_configured(cfg),
-        resume_from=run_resume_path(cfg.checkpoint, run_dir, fault_tolerance.enabled(cfg)),
+        resume_from=resume_from,
+        resume_with=tuple(p for p in groups if p != resume_from) if resume_from in groups else (),
     )

@@ -13,7 +13,6 @@ from omegaconf import DictConfig
 
 from harness.checkpoint import (
     CheckpointError,
-    check_compatible,
     checkpoint_dir,
     complete_checkpoints,
     read_meta,
@@ -22,6 +21,7 @@ from harness.checkpoint_paths import group_checkpoints
 from harness.data import data_source
 from harness.models import build_model
 from harness.models.hf_weights import init_from_errors
+from harness.resume import check_compatible
 
 
 def preflight(cfg: DictConfig, run_dir: Path, resume_from: Path | None) -> list[str]:

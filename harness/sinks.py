@@ -17,6 +17,7 @@ import os
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
+from itertools import count
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -88,21 +89,29 @@ class MetricsSink:
         elif self.wandb_opening is not None:
             self.wandb_pending.append((row, step))
 
-    def rewind(self, step: int) -> None:
-        """Drop `metrics.jsonl` rows after `step` (a resumed run logs those steps
-        again, identically), so the file's x-axis stays strictly ordered. A new
-        W&B run starts at `step` anyway; TensorBoard hides its events after `step`."""
+    def rewind(self, step: int) -> Path | None:
+        """Move `metrics.jsonl` rows after `step` aside (a resumed run logs those steps again: identically
+        after a crash; otherwise when it resumes an earlier checkpoint), so the file's x-axis stays strictly
+        ordered and nothing logged is lost: they go to `metrics.rewound.<n>.jsonl`, whose path is returned
+        (None: no row was after `step`). A new W&B run starts at `step` anyway; TensorBoard hides its events
+        after `step`."""
         if self.tensorboard is not None:
             self.tensorboard.rewind(step)
         if self.rows is None:
-            return
+            return None
         path = Path(self.rows.name)
         self.rows.close()
-        kept = [line for line in path.read_text().splitlines(keepends=True) if _step_of(line) <= step]
+        lines = path.read_text().splitlines(keepends=True)
+        kept, later = [x for x in lines if _step_of(x) <= step], [x for x in lines if _step_of(x) > step]
+        aside = None
+        if later:
+            aside = next(p for n in count(1) if not (p := path.with_name(f"metrics.rewound.{n}.jsonl")).exists())
+            aside.write_text("".join(later))
         tmp = path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(kept))
         os.replace(tmp, path)
         self.rows = open(path, "a", encoding="utf-8")
+        return aside
 
     def close(self) -> None:
         if self.rows is not None:

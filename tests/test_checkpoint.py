@@ -402,6 +402,31 @@ def test_checkpoints_of_earlier_versions_resume_to_the_same_continuation(tmp_pat
 
 
 @pytest.mark.slow
+def test_a_resume_that_changes_keys_says_so_and_runs_with_the_new_optimizer_settings(tmp_path, cli_env):
+    """The v1 post-local SGD fixture resumed with three keys changed logs one line naming each, its saved and
+    new value and what the run does with it; the new optimizer.lr is the rate of the resumed steps and the new
+    betas are AdamW's (the checkpoint's param groups and the schedule's saved base rate used to win, silently)."""
+    spec, step_dir = old_checkpoint("v1/periodic_mlp_full")
+    run = tmp_path / "run"
+    shutil.copytree(step_dir, run / "checkpoints" / step_dir.name)
+    args = [o for o in spec["overrides"] if not o.startswith("train.steps")]
+    args += ["train.steps=12", "optimizer.lr=0.001", "optimizer.betas=[0.8,0.99]", "wandb.mode=disabled"]
+    args.append(f"hydra.run.dir={run}")
+    check_ok(run_cli(args, cli_env, REPO))
+    [line] = [line for line in (run / "train.log").read_text().splitlines() if "key(s) changed" in line]
+    for text in (
+        f"resuming {run / 'checkpoints' / step_dir.name} (step 8) with 3 key(s) changed",
+        "train.steps 15 -> 12 (replanned: trains on to the new end",
+        "optimizer.lr 0.003 -> 0.001 (honoured: the run's value replaces the checkpoint's",
+        "optimizer.betas [0.9,0.999] -> [0.8,0.99] (honoured",
+    ):
+        assert text in line, f"{text!r} not in {line}"
+    assert {r["train/lr"] for r in read_metrics(run) if "train/lr" in r} == {0.001}
+    for group in torch.load(run / "checkpoints" / "step_12" / "full.pt", weights_only=True)["optim"]["param_groups"]:
+        assert group["lr"] == 0.001 and tuple(group["betas"]) == (0.8, 0.99), group
+
+
+@pytest.mark.slow
 def test_a_gpt_saved_before_tie_embeddings_is_refused_untied_and_exports_as_saved(tmp_path, cli_env):
     """The v0 GPT (biases, and an untied head: its own `head.weight`, before `model.bias` and
     `model.tie_embeddings` existed): the new default, a tied head (a load would keep one of the two

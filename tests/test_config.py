@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import itertools
 import subprocess
 import sys
@@ -28,7 +29,8 @@ from support import REPO, checkpoint_meta, make
 
 register_configs()
 CONF = REPO / "conf"
-GROUPS = ["model", "data", "optimizer", "averager", "sharding", "checkpoint", "wandb"]
+GROUPS = ["model", "data", "optimizer", "lr_scheduler", "averager", "sharding", "checkpoint", "fault_tolerance"]
+GROUPS += ["wandb", "averager/outer_optimizer"]
 
 
 def options(group: str) -> list[str]:
@@ -36,11 +38,28 @@ def options(group: str) -> list[str]:
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
-def test_every_group_option_composes_into_its_schema(group, option):
-    cfg = make(f"{group}={option}", "averager=none")
-    node = cfg[group]
+def test_every_group_option_composes_into_its_schema_and_every_key_has_a_resume_rule(group, option):
+    """Each option is typed by its schema, and every key of the config it composes declares what a resume
+    does when it changed (harness/config.py's RESUME, read by harness/resume.py): a new key without a rule
+    fails here."""
+    from harness.resume import leaves
+
+    chosen = [f"{group}={option}"] + (["averager=diloco"] if group.startswith("averager/") else [])
+    cfg = make(*chosen, *([] if group.startswith("averager") else ["averager=none"]))
+    node = OmegaConf.select(cfg, group.replace("/", "."))
     assert OmegaConf.get_type(node).__name__.endswith("Conf"), f"{group}={option} has no schema"
     OmegaConf.to_object(node)  # every value converts to its declared type
+    assert [key for key, rule in leaves(cfg) if rule is None] == []
+
+
+def test_every_schema_declares_a_rule_for_each_key_and_none_for_a_key_it_has_not():
+    from harness.resume import keys_of, rules_of, schemas
+
+    for section, schema in schemas():
+        keys, covered = keys_of(schema), {key.split(".")[0] for key in rules_of(schema)}
+        nested = {f.name for f in dataclasses.fields(schema) if dataclasses.is_dataclass(f.default_factory)}
+        assert keys - covered - nested == set(), (section, schema.__name__)  # a nested schema: its own rules
+        assert covered - keys == set(), (section, schema.__name__)
 
 
 def test_default_config_is_valid_at_two_ranks_and_takes_averager_period():
@@ -443,7 +462,7 @@ RESUME_RULES = [
     (
         "other optimizer",
         ["checkpoint.resume={root}/ok/step_5", "optimizer=sgd"],
-        ["holds torch.optim.AdamW state", "optimizer._target_=torch.optim.SGD"],
+        ["saved with optimizer._target_='torch.optim.AdamW', this run has 'torch.optim.SGD'", "Fix: optimizer=adamw"],
     ),
     (
         "would overwrite",
@@ -796,7 +815,7 @@ DECAY_RESUMES = [  # (id, saved by, old checkpoint?, resumed with, texts of the 
     "saved_by,old,resumed_with,expected", [r[1:] for r in DECAY_RESUMES], ids=[r[0] for r in DECAY_RESUMES]
 )
 def test_a_resume_keeps_the_weight_decay_groups(saved_by, old, resumed_with, expected, tmp_path):
-    from harness.checkpoint import check_compatible
+    from harness.resume import check_compatible
 
     errors = check_compatible(saved_meta(*saved_by, old=old), make(*resumed_with), tmp_path)
     if expected is None:
@@ -844,7 +863,7 @@ GPT_RESUMES = [  # (id, resumed with, texts of the refusal or None: it resumes a
 @pytest.mark.parametrize("resumed_with,expected", [r[1:] for r in GPT_RESUMES], ids=[r[0] for r in GPT_RESUMES])
 def test_a_gpt_saved_before_bias_and_tie_embeddings_resumes_as_it_was_saved(resumed_with, expected, tmp_path):
     """Such a checkpoint's meta.json lacks both keys; its model had biases and its own head.weight."""
-    from harness.checkpoint import check_compatible
+    from harness.resume import check_compatible
 
     meta = saved_meta("model.tie_embeddings=false")
     for model in (meta["model"], meta["config"]["model"]):

@@ -9,11 +9,14 @@ the way GitHub does it.
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from support import base_env
 
@@ -374,17 +377,24 @@ METRICS_BEGIN = "<!-- metrics table: python -m harness.metrics -->"
 METRICS_END = "<!-- end metrics table -->"
 
 
-def test_outputs_metrics_table_is_the_generated_one():
-    """docs/outputs.md's table between the two markers is `python -m harness.metrics`'s
-    output; after changing a Metric in harness/metrics.py, paste that output in."""
-    from harness.metrics import markdown_table
+GENERATED = {  # doc: (its markers, the module whose `python -m` prints the table, the function)
+    "outputs.md": ((METRICS_BEGIN, METRICS_END), "harness.metrics", "markdown_table"),
+    "configuration.md": (("<!-- resume rules: begin -->", "<!-- resume rules: end -->"), "harness.resume", "table"),
+}
 
-    text = (REPO / "docs" / "outputs.md").read_text(encoding="utf-8")
-    assert text.count(METRICS_BEGIN) == 1 and text.count(METRICS_END) == 1, "the metrics table markers are missing"
-    table = text.split(METRICS_BEGIN)[1].split(METRICS_END)[0]
-    assert table.strip("\n") == markdown_table().strip("\n"), (
-        "docs/outputs.md's metrics table differs from harness/metrics.py: replace the lines between "
-        f"{METRICS_BEGIN} and {METRICS_END} by the output of `python -m harness.metrics`"
+
+@pytest.mark.parametrize("doc", sorted(GENERATED))
+def test_generated_tables_are_the_generated_ones(doc):
+    """docs/outputs.md's metrics table and docs/configuration.md's resume rules between their markers are
+    `python -m harness.metrics`'s and `python -m harness.resume`'s output: after changing a Metric in
+    harness/metrics.py or a RESUME rule in harness/config.py, paste that output in."""
+    (begin, end), module, function = GENERATED[doc]
+    text = (REPO / "docs" / doc).read_text(encoding="utf-8")
+    assert text.count(begin) == 1 and text.count(end) == 1, f"docs/{doc}'s table markers are missing"
+    table = text.split(begin)[1].split(end)[0]
+    assert table.strip("\n") == getattr(importlib.import_module(module), function)().strip("\n"), (
+        f"docs/{doc}'s table differs from {module}: replace the lines between {begin} and {end} by the output of "
+        f"`python -m {module}`"
     )
 
 

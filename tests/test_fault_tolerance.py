@@ -696,12 +696,17 @@ def test_a_fault_tolerant_sweep_job_is_an_ordinary_run_for_every_tool(tmp_path):
     )  # fmt: skip
     check_ok(proc)
     assert "replica_group_" in proc.stdout.split("resumed from", 1)[1].split("\n", 1)[0]
+    # one rule both ways: every replica starts from the mean of the copies (the groups' here), said in the log
+    assert "resuming the 2 replica groups' checkpoints at step 6" in proc.stdout, proc.stdout[-3000:]
+    assert "every replica starts from the mean of their models" in proc.stdout
     assert [row["step"] for row in read_metrics(job) if "train/loss" in row] == [7, 8]
 
     # and the other way round: a fault-tolerant run's groups resume from a plain run's checkpoint
     other = tmp_path / "other"
     check_ok(run_train([*plain, "train.steps=3"], other, env, tmp_path))
-    check_ok(run_train([*ft, "train.steps=6"], other, env, tmp_path))
+    proc = run_train([*ft, "train.steps=6"], other, env, tmp_path)
+    check_ok(proc)
+    assert "holds 2 replicas of one model (each with its own optimizer state)" in proc.stdout + proc.stderr
     for group in (0, 1):
         assert [row["step"] for row in read_metrics(other / f"replica_group_{group}") if "train/loss" in row] == [
             4,

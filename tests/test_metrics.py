@@ -155,6 +155,9 @@ def test_tensorboard_events_hold_every_numeric_value_of_metrics_jsonl_across_a_r
     # the resumed run's steps 5 and 6 only: the first run's step 5 is hidden, as in metrics.jsonl
     assert logged == jsonl_scalars(tmp_path)
     assert (metrics.TRAIN_LOSS, 5, float(np.float32(2.0))) in logged
+    # ... whose row was moved aside, not lost
+    [aside] = [json.loads(line) for line in (tmp_path / "metrics.rewound.1.jsonl").read_text().splitlines()]
+    assert aside["step"] == 5 and aside[metrics.TRAIN_LOSS] == 1.0
     assert metrics.CHECKPOINT_MODE not in events.Tags()["scalars"]  # a string: not a scalar
 
 

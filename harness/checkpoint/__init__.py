@@ -3,7 +3,7 @@ on-disk format, `replicas` for diverged replicas, `checkpointer` for saving
 and loading."""
 
 from harness.checkpoint.checkpointer import Checkpointer, load
-from harness.checkpoint.files import CheckpointError, check_compatible, read_meta
+from harness.checkpoint.files import CheckpointError, read_meta
 from harness.checkpoint.full import gather_full
 from harness.checkpoint.replicas import inner_optimizer
 from harness.checkpoint_paths import checkpoint_dir, complete_checkpoints, resume_path
@@ -11,7 +11,6 @@ from harness.checkpoint_paths import checkpoint_dir, complete_checkpoints, resum
 __all__ = [
     "Checkpointer",
     "CheckpointError",
-    "check_compatible",
     "checkpoint_dir",
     "complete_checkpoints",
     "gather_full",

@@ -13,6 +13,7 @@ import time
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -24,7 +25,7 @@ from harness import metrics
 from harness.checkpoint.files import RNG_FILE, CheckpointError, commit, read_meta, remove_leftovers, unreadable
 from harness.checkpoint.full import FullMode
 from harness.checkpoint.meta import FORMAT
-from harness.checkpoint.replicas import inner_optimizer, load_mean_of_copies, local_tensors, replica_layout
+from harness.checkpoint.replicas import copy_key, inner_optimizer, load_mean_of_copies, local_tensors, replica_layout
 from harness.checkpoint.sharded import AsyncShardedMode, ShardedMode
 from harness.clock import Tick
 from harness.config import CheckpointConf
@@ -199,29 +200,51 @@ class Loaded:
     models: int  # the different models its replicas' copies held (more than 1: every replica took their mean)
 
 
-def load(path: Path, job: Job, rank: int) -> Loaded:
+def load(path: Path, job: Job, rank: int, others: tuple[Path, ...] = ()) -> Loaded:
     """Restore model, optimizer, RNG states and the job's stateful parts from the
-    checkpoint at `path`. Collective. Raises CheckpointError naming the path when
-    a file is missing or damaged."""
+    checkpoint at `path`; with `others` (a fault-tolerant run's other replica groups'
+    checkpoints at its step, resumed in one world) the model and optimizer state are
+    their mean. Collective. Raises CheckpointError naming the path when a file is
+    missing or damaged."""
     start = time.perf_counter()
     meta = read_meta(path)
     layout = replica_layout(job)
     copies = meta["replica_copies"]
     mode = MODES[meta["mode"]]()
     optim = inner_optimizer(job.optimizer)
+    # the run's optimizer settings win over the checkpoint's param groups (the rates: the schedule's, below)
+    configured = [
+        [{k: v for k, v in group.items() if k not in ("params", "lr")} for group in o.param_groups]
+        for o in (optim if isinstance(optim, list) else [optim])
+    ]
 
-    def load_copy(copy_key: str | None) -> float:
-        with _loading(path):
-            return mode.load_copy(path, copy_key, job.model, optim)
+    def load_copy(copy_key: str | None, source: Path = path, source_mode=mode) -> float:
+        with _loading(source):
+            return source_mode.load_copy(source, copy_key, job.model, optim)
 
     models = 1
-    if copies == 1:
+    if others:  # one rule between replica groups and one world: every replica from the mean of their copies
+        sources = (path, *others)
+        loaders = [partial(load_copy, None, p, MODES[read_meta(p)["mode"]]()) for p in sources]
+        set_s, params_apart, _ = load_mean_of_copies(job, loaders)
+        models = len(sources) if params_apart else 1
+        if rank == 0:
+            log.warning(
+                "resuming the %d replica groups' checkpoints at step %d (%s) in one world: every replica starts "
+                "from the mean of their models%s",
+                len(sources),
+                meta["step"],
+                ", ".join(str(p) for p in sources),
+                "" if params_apart else " (one model: they are equal)",
+            )
+    elif copies == 1:
         set_s = load_copy(None)
     elif layout.local_sgd and copies == layout.replicas:
         set_s = load_copy(f"replica_{layout.replica}" if layout.replica > 0 else None)
         models = copies
     else:
-        set_s, params_apart, states_apart = load_mean_of_copies(job, copies, load_copy)
+        loaders = [partial(load_copy, copy_key(replica)) for replica in range(copies)]
+        set_s, params_apart, states_apart = load_mean_of_copies(job, loaders)
         models = copies if params_apart else 1
         this_run = f"this run has {layout.replicas}{'' if layout.local_sgd else ' and no averager'}"
         if rank == 0 and params_apart:
@@ -239,6 +262,9 @@ def load(path: Path, job: Job, rank: int) -> Loaded:
                 copies,
                 this_run,
             )
+    for o, groups in zip(optim if isinstance(optim, list) else [optim], configured):
+        for group, settings in zip(o.param_groups, groups):
+            group.update(settings)
     _restore_rngs(path, rank)
     parts: dict[str, Stateful] = job.checkpoint_parts()
     for name, part in parts.items():

@@ -76,15 +76,16 @@ def local_tensors(model: torch.nn.Module, optim) -> list[torch.Tensor]:
     return tensors
 
 
-def load_mean_of_copies(job: Job, copies: int, load_copy: Callable[[str | None], float]) -> tuple[float, bool, bool]:
-    """Load each of `copies` replica copies in turn and keep their mean (the first copy itself where every
-    copy is equal: the parameters after a run's last exchange, bit for bit). Returns the seconds `load_copy`
-    spent setting state dicts, and whether the copies' parameters, and their optimizer states, differ."""
+def load_mean_of_copies(job: Job, loaders: list[Callable[[], float]]) -> tuple[float, bool, bool]:
+    """Load each copy in turn (a replica's, or a replica group's checkpoint: each of `loaders` loads one and
+    returns the seconds it spent setting state dicts) and keep their mean (the first copy itself where every
+    copy is equal: the parameters after a run's last exchange, bit for bit). Returns the seconds spent
+    setting state dicts, and whether the copies' parameters, and their optimizer states, differ."""
     optim = inner_optimizer(job.optimizer)
     params = sum(1 for _ in job.model.parameters())  # local_tensors lists the parameters first
     first, total, set_s, apart = None, None, 0.0, [False, False]
-    for replica in range(copies):
-        set_s += load_copy(copy_key(replica))
+    for load_copy in loaders:
+        set_s += load_copy()
         tensors = local_tensors(job.model, optim)
         if total is None:
             first, total = [t.clone() for t in tensors], [t.clone() for t in tensors]
@@ -93,5 +94,5 @@ def load_mean_of_copies(job: Job, copies: int, load_copy: Callable[[str | None],
             apart[i >= params] |= not torch.equal(a, b)
         torch._foreach_add_(total, tensors)
     for i, (t, s, one) in enumerate(zip(local_tensors(job.model, optim), total, first)):
-        t.copy_(s / copies if apart[i >= params] else one)
+        t.copy_(s / len(loaders) if apart[i >= params] else one)
     return set_s, apart[0], apart[1]

@@ -11,7 +11,7 @@ from pathlib import Path
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from harness import fault_tolerance
+from harness import fault_tolerance, resume
 from harness.checkpoint import CheckpointError, read_meta
 from harness.checkpoint_paths import run_resume_path
 from harness.config import ConfigError, NoAveragerConf
@@ -77,7 +77,8 @@ def settle_config(
     if cfg.sharding.strategy in HYBRID:
         cfg.sharding.replicate = plan.replicate
     warnings = ([note] if note else []) + config_warnings(cfg) + resume_warnings(cfg, plan)
-    return plan, warnings, [loaded] if loaded else []
+    changed = resume.summary(read_meta(plan.resume_from), cfg, plan.resume_from) if plan.resume_from else None
+    return plan, warnings, [n for n in (loaded, changed) if n]
 
 
 def model_from_init_from(cfg: DictConfig, run_dir: Path, explicit: set[str]) -> str | None:
