@@ -8,8 +8,8 @@ value of each dimension in a row with every value of each other. A row passes wh
   the others' to 0.1 s; with an async checkpoint 2.5 s and 0.5 s): run A trains 16 steps; run B, resumed
   from A's checkpoint nearest step 8, ends bit for bit where A ends (model, optimizer, RNG states, the
   averager's tensors, every replica's copy); run C, A's last checkpoint resumed with `train.steps=24`,
-  trains to 24 and saves there; with `balance=time` the slowed replica was planned fewer local steps than
-  the others.
+  trains to 24 and saves there; with an averager A and C end with an exchange (one model); with
+  `balance=time` the slowed replica was planned fewer local steps than the others.
 
 The rows of one world run in one launch per world size (the harness's launcher, every run a job built
 and trained with `build_job` and `Trainer` after `validate` and `preflight`, as a launch makes, in a run
@@ -321,6 +321,10 @@ def check_row(row: dict, runs: Path, scratch: Path) -> str:
         rows = [json.loads(line) for line in (c / "metrics.jsonl").read_text().splitlines()]
         if rows[-1]["step"] != STEPS + MORE or not (c / "checkpoints" / f"step_{STEPS + MORE}" / "meta.json").is_file():
             return f"{group or 'C'} did not train on to step {STEPS + MORE} and save there"
+        for run, steps in ((a, STEPS), (c, STEPS + MORE)):
+            last = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
+            if row["averager"] != "none" and not last.get("averager/averaged"):
+                return f"{group or run.name.upper()} did not end with an exchange at step {steps}"
     if row["balance"] == "time":
         slow = replicas - 1
         files = [runs / phase / groups[0] / "metrics.jsonl" for phase in "ac"]
@@ -343,11 +347,19 @@ def main() -> None:
     problems = check_cover(rows)
     refused = [row for row in rows if refusals(row)]
     trained = [row for row in rows if not refusals(row) and args.only in name(row)]
-    if args.smoke:  # one row of 2 ranks with balance=time, one of replica groups
-        trained = [
-            next(r for r in trained if r["ft"] == "none" and r["balance"] == "time" and LAYOUTS[r["layout"]][2] == 2),
-            next(r for r in trained if r["ft"] == "torchft" and LAYOUTS[r["layout"]][2] == 2),
+    if not trained:  # it would train nothing and say "done"
+        parser.error(f"--only {args.only}: no trained row's name holds it (names: averager-balance-...-extras)")
+    if args.smoke:  # one row of 2 ranks with balance=time, one of replica groups (of those --only leaves)
+        picks = [
+            next(
+                (r for r in trained if r["ft"] == "none" and r["balance"] == "time" and LAYOUTS[r["layout"]][2] == 2),
+                None,
+            ),
+            next((r for r in trained if r["ft"] == "torchft" and LAYOUTS[r["layout"]][2] == 2), None),
         ]
+        trained = [r for r in picks if r is not None]
+        if not trained:
+            parser.error(f"--smoke --only {args.only}: neither smoke row's name holds it")
     began = time.monotonic()
     print(f"matrix: {len(rows)} rows covering every pair of {len(DIMS)} dimensions; {len(refused)} refused")
     results: dict[str, tuple[str, float]] = {}

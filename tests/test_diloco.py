@@ -144,8 +144,9 @@ def test_fragments_sync_once_per_period_each_split_the_bytes_and_overlap_a_step(
 @pytest.mark.slow
 def test_logged_rows_carry_every_byte_whatever_log_every_is(tmp_path, cli_env):
     """sync_delay 1, log_every 10: the syncs start at steps 6, 10 and 14, only 10
-    a log step; each logged row carries the bytes since the previous one, so
-    the rows add up to the running total and every start's bytes show."""
+    a log step, and at the run's last, 15 (every fragment, applied at once); each
+    logged row carries the bytes since the previous one, so the rows add up to the
+    running total and every start's bytes show."""
     rows = train(
         tmp_path / "run",
         cli_env,
@@ -157,7 +158,7 @@ def test_logged_rows_carry_every_byte_whatever_log_every_is(tmp_path, cli_env):
     )
     assert sorted(syncs(rows)) == [7, 11, 15]
     whole = 4 * sum(p.numel() for p in build_model(make("model=mlp").model, 16).parameters())
-    assert sum(r["comm/averaging_bytes"] for r in rows) == 3 * whole
+    assert sum(r["comm/averaging_bytes"] for r in rows) == 4 * whole
     sent = sum(r["comm/averaging_bytes"] + r["comm/grad_sync_bytes"] for r in rows)
     assert sent == rows[-1]["comm/cross_replica_bytes_total"]
 

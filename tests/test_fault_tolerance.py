@@ -707,12 +707,12 @@ def test_a_fault_tolerant_sweep_job_is_an_ordinary_run_for_every_tool(tmp_path):
     proc = run_train([*ft, "train.steps=6"], other, env, tmp_path)
     check_ok(proc)
     assert "holds 2 replicas of one model (each with its own optimizer state)" in proc.stdout + proc.stderr
-    for group in (0, 1):
-        assert [row["step"] for row in read_metrics(other / f"replica_group_{group}") if "train/loss" in row] == [
-            4,
-            5,
-            6,
-        ]
+    # step 4 crosses no replicas (local, after the plain run's last exchange at 3), so a group that starts first
+    # takes it alone and the other is healed to it at step 5's quorum
+    trained = [
+        [row["step"] for row in read_metrics(other / f"replica_group_{g}") if "train/loss" in row] for g in (0, 1)
+    ]
+    assert [4, 5, 6] in trained and all(steps in ([4, 5, 6], [5, 6]) for steps in trained), trained
 
     # one group's checkpoint cut short: an export names it and --group, not a resume's keys ...
     damaged = other / "replica_group_1" / "checkpoints" / "step_6"
