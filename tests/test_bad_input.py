@@ -106,6 +106,7 @@ def test_bad_input_fails_clearly_and_writes_nothing(name, overrides, expected, t
     assert snapshot(tmp_path) == before, "a refused run wrote or changed files"
 
 
+ADACOMM = "averager.period_schedule=adacomm"
 # The rules the CLI cases above do not reach and no other test checks, through
 # `settle_config`: what train.py runs on the composed config before any rank starts.
 # An override `HARNESS_TEST_SLOWDOWN=...` sets that environment variable instead.
@@ -218,6 +219,11 @@ SETTLED = [
         "adacomm from a period of 1",
         ["sharding=no_shard", "averager=periodic", "averager.period=1", "averager.period_schedule=adacomm"],
         ["averager.period_schedule=adacomm with averager.period=1", "Fix: a longer starting period"],
+    ),
+    (
+        "adacomm at a stride the delay fills",
+        ["sharding=no_shard", "averager=diloco", "averager.period=8", "averager.sync_delay=7", ADACOMM],
+        ["averager.period_schedule=adacomm with averager.sync_delay=7", "Fix: a longer starting period"],
     ),
     (
         "balance by time in a hierarchy whose periods do not nest",

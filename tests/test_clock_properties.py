@@ -435,7 +435,7 @@ def averager_keys(draw, kind: str, replicas: int, keep: dict | None = None) -> d
     keys["period"] = fragments * stride
     if kind == "diloco":
         keys.update(fragments=fragments, sync_delay=draw(st.integers(0, stride - 1)))
-    if stride > 1 and draw(st.booleans()):
+    if stride > keys.get("sync_delay", 0) + 1 and draw(st.booleans()):  # else refused: nothing to shorten
         keys.update(period_schedule="adacomm", min_period=draw(st.integers(1, keys["period"])))
     return {**keys, **keep}
 

@@ -61,6 +61,15 @@ def pace_errors(cfg: DictConfig) -> list[str]:
             "so this would be a fixed period. Fix: a longer starting period (e.g. averager.period=32; AdaComm "
             "starts long), or averager.period_schedule=fixed."
         )
+    delay, stride = avg.get("sync_delay", 0), avg.get("period", 0) // max(fragments, 1)
+    if str(avg.get("period_schedule", "fixed")) == "adacomm" and delay and 1 < stride <= delay + 1:
+        errors.append(
+            f"averager.period_schedule=adacomm with averager.sync_delay={delay}: AdaComm never shortens a stride "
+            f"(period/fragments, here {stride}) to the delay or below (each sync is applied, and its fragment "
+            "trains a step, before the next starts), so this would be a fixed period. Fix: a longer starting "
+            f"period (averager.period={2 * (delay + 1) * max(fragments, 1)}), a shorter delay, or "
+            "averager.period_schedule=fixed."
+        )
     what = varies(avg)
     if what is None:
         return errors
