@@ -26,7 +26,6 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
-import torch
 from omegaconf import OmegaConf
 
 from harness.checkpoint import CheckpointError, checkpoint_dir, complete_checkpoints, load
@@ -189,11 +188,10 @@ def _export(paths: list[Path], out: Path) -> dict:
         # the loader speaks to a resumed run ("this run has 1 rank: RNG states not restored"); the
         # export says itself what it wrote (the mean of diverged replicas)
         logging.getLogger("harness.checkpoint").setLevel(logging.ERROR)
-        loaded = load(path, job, rank=0)
+        loaded = load(path, job, rank=0, others=tuple(paths[1:]))  # replica groups: the mean of their models
         record = {"checkpoint": str(path.resolve()), "step": meta["step"], "replicas_averaged": loaded.models}
-        if len(paths) > 1:  # replica groups: the mean of their models (equal right after a sync)
+        if len(paths) > 1:
             record.update(checkpoint=[str(p.resolve()) for p in paths], replica_groups=len(paths))
-            record["replicas_averaged"] = mean_of_checkpoints(job, paths)
         where, what = run_tokenizer(path)  # the run's own data and init_from, not the stand-ins above
         notes, config = {"export.json": record}, job.model.hf_config()
         if where is not None:
@@ -209,22 +207,6 @@ def _export(paths: list[Path], out: Path) -> dict:
     finally:
         teardown()
     return record
-
-
-@torch.no_grad()
-def mean_of_checkpoints(job, paths: list[Path]) -> int:
-    """Load the model of each checkpoint in `paths` (the first is loaded already) and keep their
-    mean; returns how many models were averaged: len(paths), or 1 when they were all equal (right
-    after a sync)."""
-    params = [p.data for p in job.model.parameters()]
-    first = [t.clone() for t in params]
-    total, differ = [t.clone() for t in params], False
-    for path in paths[1:]:
-        load(path, job, rank=0)
-        differ |= any(not torch.equal(a, b) for a, b in zip(first, params))
-        torch._foreach_add_(total, params)
-    torch._foreach_copy_(params, torch._foreach_div(total, len(paths)))
-    return len(paths) if differ else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,9 +29,8 @@ from harness.dist import synchronize
 class Exchange:
     """What an exchange's figures gave this replica."""
 
-    # the fragments it syncs, each with what this replica scales its tensors of it by before the plain mean
-    # (None: the plain mean, bit for bit): the tick's fragment, or at the run's last step every fragment whose
-    # tensors hold a local step on some replica
+    # the fragments it syncs (the tick's, or at the run's last step every one: `Clock.exchange`), each with what
+    # this replica scales its tensors of it by before the plain mean (None: the plain mean, bit for bit)
     scales: dict[int, float | None]
     carried: torch.Tensor | None  # the averager's `carried` figures, summed over every rank
 
@@ -434,7 +433,7 @@ class Clock:
             staged = figures
         members = [q for q in range(self.replicas) if completed[q] > 0]
         scales = {}
-        for fragment in self.synced():
+        for fragment in self._synced():
             held = [h + k for h, k in zip(self.held[fragment], completed)]
             if self.tick.last and skip_untrained and not any(held[q] > 0 for q in members):
                 continue  # no replica trained it since its sync was applied: one model already
@@ -443,7 +442,7 @@ class Clock:
         self.staged = (completed, staged)
         return Exchange(scales, summed)
 
-    def synced(self) -> list[int]:
+    def _synced(self) -> list[int]:
         """The fragments the exchange after the step being taken may sync: its fragment, or at the run's last
         step every fragment (the run ends with one model)."""
         return list(range(self.schedule.fragments)) if self.tick.last else [self.tick.exchange]
