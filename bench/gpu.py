@@ -488,13 +488,14 @@ def quality_config(args: argparse.Namespace, defaults: list[str], run_dir: Path)
     return cfg
 
 
-def kernel_paths(args: argparse.Namespace) -> list[str]:
-    """The paths whose kernels `--kernels` asks for (all of them when it names none)."""
+def kernel_paths(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
+    """The paths whose kernels `--kernels` asks for (all of them when it names none); a path it has not is
+    argparse's error (exit 2), as every bad flag is."""
     every = [name + suffix for suffix in ["", "+compile"][: 1 if args.no_compile else 2] for name in PATHS]
     wanted = every if args.kernels == "all" else args.kernels.split(",")
     unknown = [name for name in wanted if name not in every]
     if unknown:
-        raise SystemExit(f"bench/gpu.py: --kernels {args.kernels}: no path {', '.join(unknown)} (paths: {every})")
+        parser.error(f"--kernels {args.kernels}: no path {', '.join(unknown)} (paths: {','.join(every)})")
     return wanted
 
 
@@ -506,7 +507,11 @@ def main() -> None:
     parser.add_argument("--count-steps", type=at_least(1), default=4, help="steps whose host work is counted")
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled paths (slow to compile on CPU)")
     parser.add_argument(
-        "--compile-backend", default="inductor", help="torch.compile backend of the compiled paths (smoke: eager)"
+        "--compile-backend",
+        default="inductor",
+        choices=torch._dynamo.list_backends(exclude_tags=()),
+        metavar="BACKEND",
+        help="torch.compile backend of the compiled paths (smoke: eager); one torch._dynamo.list_backends() names",
     )
     parser.add_argument(
         "--models", default=None, help="comma-separated, of the device's set (GPU: gpt,llama3_1b; CPU: gpt,llama)"
@@ -556,7 +561,10 @@ def main() -> None:
         return
     # a crashed CUDA process (or rank) dumps no core: it could be as large as its address space and fill the disk
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    paths = kernel_paths(args) if args.kernels else []
+    paths = kernel_paths(args, parser) if args.kernels else []
+    float8_cfg = compose(["train.float8=tensorwise", *args.overrides]) if args.float8 else None
+    if float8_cfg is not None and (refused := float8.config_errors(float8_cfg, visible_gpus())):
+        parser.error(f"--float8 {args.float8}: {' '.join(refused)}")  # before any measuring: nothing to compare
     failed = []
 
     def child(*extra: str) -> None:

@@ -44,6 +44,7 @@ import logging
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
@@ -66,7 +67,14 @@ def emulated() -> bool:
 
 
 def config_errors(cfg: DictConfig, gpus: int) -> list[str]:
-    """Why `train.float8` cannot run here: torchao missing, or a device without float8 matmuls."""
+    """Why `train.float8` cannot run here: torchao missing, or a device without float8 tensor cores; and a
+    value of the test knob `HARNESS_TEST_FLOAT8_EMULATE` other than 1 or 0 (it would be ignored)."""
+    knob = os.environ.get(EMULATE_ENV)
+    if knob not in (None, "", "0", "1"):
+        return [
+            f"{EMULATE_ENV}={knob!r} (a test knob: torchao's emulated float8 on any device) takes 1 (emulate) or "
+            f"0; any other value would be ignored. Fix: {EMULATE_ENV}=1, or unset {EMULATE_ENV}."
+        ]
     recipe = cfg.train.float8
     if recipe == "none":
         return []
@@ -79,9 +87,11 @@ def config_errors(cfg: DictConfig, gpus: int) -> list[str]:
         return []
     if resolve_device(cfg.train.device, gpus) != "cuda":
         return [
-            f"{key}: the ranks run on the CPU, which has no float8 matmuls. Fix: run on a CUDA GPU of compute "
-            f"capability {'.'.join(map(str, MIN_CAPABILITY))} or more (H100, H200, L4, L40S, RTX 4090, B200), "
-            "or train.float8=none."
+            f"{key}: the ranks run on the CPU, where float8 cannot pay: torch runs its float8 matmul there "
+            "(torch._scaled_mm) without float8 units, slower than fp32's (1.35x at 1024 x 1024 x 1024, one thread, "
+            "torch 2.13), and the casts come on top. Fix: run on a CUDA GPU of compute capability "
+            f"{'.'.join(map(str, MIN_CAPABILITY))} or more (H100, H200, L4, L40S, RTX 4090, B200), or "
+            "train.float8=none."
         ]
     return capability_errors(key, cuda_devices())
 
@@ -127,20 +137,28 @@ def config_warnings(cfg: DictConfig) -> list[str]:
     ]
 
 
-def _import_torchao_float8():
-    """torchao.float8, imported with torchao's logger quieted, and torch's pytree logger: on import torchao
-    loads its compiled kernels, warning for each that does not load (all of them on a CPU-only torch), none
-    of which float8 training uses (its matmul is torch._scaled_mm), and registers an enum that torch 2.13
-    deprecates registering. Neither is the user's to act on."""
+@contextmanager
+def torchao_quieted():
+    """torchao's loggers and torch's pytree logger quieted while torchao imports: on import it loads its
+    compiled kernels, warning for each that does not load (all of them on a CPU-only torch), none of which
+    float8 training uses (its matmul is torch._scaled_mm), and registers enums that torch 2.13 deprecates
+    registering. Neither is the user's to act on. transformers imports torchao where it is installed (building
+    or loading a model: `model=hf`, `harness.generate`), so those are quieted too."""
     loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.ERROR)
     try:
-        import torchao.float8
+        yield
     finally:
         for logger, level in zip(loggers, levels):
             logger.setLevel(level)
+
+
+def _import_torchao_float8():
+    """torchao.float8, imported quietly (`torchao_quieted`)."""
+    with torchao_quieted():
+        import torchao.float8
     return torchao.float8
 
 

@@ -72,10 +72,19 @@ def generate(model_dir: Path, prompt: str, max_new_tokens: int, temperature: flo
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from harness.float8 import torchao_quieted
+
     if not (model_dir / "tokenizer.json").is_file():
         raise ConfigError(f"{str(model_dir)!r} holds no tokenizer.json. {NO_TOKENIZER_FIX}")
+    if not any(model_dir.glob("*.safetensors")) and not any(model_dir.glob("*.bin")):
+        raise ConfigError(
+            f"{str(model_dir)!r} holds a config.json but no weights (*.safetensors): an export cut short, or its "
+            "weights moved. Fix: export the run again (python -m harness.export <run dir> <out dir>), or pass the "
+            "run's directory."
+        )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torchao_quieted():  # transformers imports torchao where it is installed
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     inputs = tokenizer(prompt, return_tensors="pt")
     positions = getattr(model.config, "n_positions", None)  # a learned position table (GPT-2's): none past it
     length = inputs.input_ids.shape[1]
@@ -101,7 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = parse(argv[1:])
         if (source / "config.json").is_file():  # an export (or any Hugging Face model directory)
-            settings.pop("group")
+            if settings.pop("group") is not None:
+                raise ConfigError(
+                    f"group= picks a replica group of a fault-tolerant run, but {str(source)!r} is an export: one "
+                    "model. Fix: drop group=, or pass the run's directory with group=<r>."
+                )
             print(generate(source, **settings))
             return 0
         from harness.export import export, find_checkpoints, reading, run_tokenizer

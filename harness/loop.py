@@ -159,7 +159,8 @@ class Trainer:
         says it is: forward, backward, step (+ averaging across replicas), eval, checkpoint, log."""
         job, clock = self.job, self.clock
         until = self.cfg.steps if until is None else min(until, self.cfg.steps)
-        self._since = time.perf_counter(), clock.step  # the progress line's clock
+        self._since = time.perf_counter(), clock.step  # the progress line's clock ...
+        self._aside = 0.0  # ... and the seconds since then spent on eval passes and saves
         while clock.step < until and not clock.finished:
             tick = clock.next()
             if job.cross_replica is not None:
@@ -232,10 +233,13 @@ class Trainer:
         row = {}
         if log_step or averaged or evaluated or saving or self.nonfinite.due(tick):  # the host waits anyway
             row.update(self.nonfinite.report(tick))  # train.nonfinite=error raises here, before eval and save
+        started = time.perf_counter()
         if evaluated:
             row.update(evaluate(job.model, job.data, cfg.eval_batches))
+            row[metrics.EVAL_TIME] = time.perf_counter() - started
         saved = self.checkpointer.after_step(job, tick)
         row.update(saved)
+        self._aside += time.perf_counter() - started  # eval and save: not the steps' time
         if not finite:
             row[metrics.TRAIN_SKIPPED_NONFINITE] = 1
         if self.replica_group is not None:
@@ -257,7 +261,7 @@ class Trainer:
         this step's `eval_loss`, if it evaluated)."""
         mean_loss = mean_over_ranks(loss)  # also waits for the device, so the clock below is honest
         since, since_step = self._since
-        step_time = (time.perf_counter() - since) / (step - since_step)
+        step_time = (time.perf_counter() - since - self._aside) / (step - since_step)
         tokens_per_s = self.cfg.grad_accum * self.cfg.batch_size * self.cfg.seq_len * self.env.world_size / step_time
         row = {
             metrics.TRAIN_LOSS: mean_loss,
@@ -282,7 +286,7 @@ class Trainer:
                 f"{tokens_per_s:,.0f}",
                 step_time,
             )
-        self._since = time.perf_counter(), step
+        self._since, self._aside = (time.perf_counter(), step), 0.0
         return row
 
 

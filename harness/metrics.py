@@ -49,8 +49,16 @@ TRAIN_LR = Metric("train/lr", "", LOG, "the local optimizer's learning rate")
 TRAIN_GRAD_NORM = Metric(
     "train/grad_norm", "", LOG, "global L2 norm of the gradients before clipping (not with `optimizer.in_backward`)"
 )
-TRAIN_STEP_TIME = Metric("train/step_time_s", "s", LOG, "wall time per step, mean since the previous log step")
-TRAIN_TOKENS_PER_S = Metric("train/tokens_per_s", "tokens/s", LOG, "tokens trained per second, all ranks together")
+TRAIN_STEP_TIME = Metric(
+    "train/step_time_s",
+    "s",
+    LOG,
+    "wall time per step, mean since the previous log step, its eval passes and saves left out (`eval/time_s`, "
+    "`checkpoint/save_s`)",
+)
+TRAIN_TOKENS_PER_S = Metric(
+    "train/tokens_per_s", "tokens/s", LOG, "tokens trained per second, all ranks together (over `train/step_time_s`)"
+)
 TRAIN_MFU = Metric(
     "train/mfu",
     "",
@@ -87,6 +95,9 @@ EVAL_SOURCE_LOSS = Metric(
     "held-out cross-entropy on each source of a mixture, mean over ranks (`*`: the source's directory name); "
     "`eval/loss` is their mean weighted by `data.sources`' weights",
     "min",
+)
+EVAL_TIME = Metric(
+    "eval/time_s", "s", "every `train.eval_every` steps and the last", "wall time of the eval pass (`eval/loss`)"
 )
 MEMORY_MAX_RSS = Metric("memory/max_rss_gb", "GiB", LOG + " (CPU)", "peak resident memory of rank 0's process")
 MEMORY_CUDA_MAX = Metric(

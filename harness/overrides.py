@@ -21,7 +21,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Glob, Override
 from hydra.errors import HydraException, MissingConfigException
-from omegaconf import BooleanNode, DictConfig, EnumNode, FloatNode, IntegerNode, ListConfig, StringNode
+from omegaconf import BooleanNode, DictConfig, EnumNode, FloatNode, IntegerNode, ListConfig, OmegaConf, StringNode
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 # difflib's similarity for "a typo of": stepz/steps 0.8, sgdd/sgd 0.86, asnyc/async 0.8; gpu/cpu (0.67) is no typo
@@ -123,8 +123,8 @@ def _composition_errors(job: list[str], config_name: str) -> list[str]:
     overrides = OverridesParser.create().parse_overrides(job)
     while True:
         try:
-            compose(config_name, overrides=[o.input_line for o in overrides])
-            return errors
+            cfg = compose(config_name, overrides=[o.input_line for o in overrides])
+            return errors + _truth_errors(cfg, overrides)
         except (HydraException, OmegaConfBaseException, ValueError) as e:
             bad = _bad_override(e, overrides)
             if (bad is not None and bad.is_hydra_override()) or _in_hydra(e):
@@ -278,6 +278,26 @@ def _wrong_value(cause: OmegaConfBaseException, bad: Override | None) -> str:
     current = node._value()
     example = _render(current) if current not in (None, []) else example
     return f"harness: {given}: {key} takes {kind}. Fix: {key}={example}, for example."
+
+
+TRUTH = {"true", "false", "yes", "no", "on", "off", "1", "0"}  # what a true/false key takes, in any case
+
+
+def _truth_errors(cfg: DictConfig, overrides: list[Override]) -> list[str]:
+    """Overrides of a true/false key with another value: OmegaConf's BooleanNode takes any integer (2 is
+    true) and Hydra composes it without a word."""
+    errors = []
+    for o in overrides:
+        if o.is_hydra_override() or o.value() is None or "=" not in o.input_line:
+            continue
+        parent_key, _, name = o.key_or_group.rpartition(".")
+        parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
+        node = parent._get_node(name) if isinstance(parent, DictConfig) and name in parent else None
+        value = o.input_line.split("=", 1)[1].strip()
+        if isinstance(node, BooleanNode) and value.lower() not in TRUTH:
+            key = o.key_or_group
+            errors.append(f"harness: {o.input_line}: {key} takes true or false. Fix: {key}=true or {key}=false.")
+    return errors
 
 
 def _render(value: Any) -> str:

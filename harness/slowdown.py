@@ -68,15 +68,26 @@ def slowdowns(spec: str) -> dict[int, Slowdown]:
     return found
 
 
-def config_errors(replicas: int) -> list[str]:
+def config_errors(replicas: int, local_steps: bool = True) -> list[str]:
     """`HARNESS_TEST_SLOWDOWN` checked before any rank starts, as a setting is (`validate`): a malformed value,
-    or one that names a replica the run does not have (it would slow nothing)."""
+    one that names a replica the run does not have, or any in a run without local steps (`local_steps` false:
+    synchronous training, whose steps it leaves alone): it would slow nothing."""
     spec = os.environ.get(ENV, "")
     try:
         unknown = sorted(set(slowdowns(spec)) - set(range(replicas)))
-        if not unknown:
+        if unknown:
+            problem = (
+                f"the run has {replicas} replica(s), 0..{replicas - 1}, so replica {unknown[0]} would slow nothing"
+            )
+        elif slowdowns(spec) and not local_steps:
+            return [
+                f"{ENV}={spec!r} (a test knob that slows replicas, harness/slowdown.py) slows local steps only (a "
+                "synchronous step's backward holds the gradient exchange, which a slower device would not stretch), "
+                f"and this run trains synchronously (averager=none): it would slow nothing. Fix: unset {ENV}, or "
+                "an averager (averager=periodic) for local steps to slow."
+            ]
+        else:
             return []
-        problem = f"the run has {replicas} replica(s), 0..{replicas - 1}, so replica {unknown[0]} would slow nothing"
     except ValueError as e:
         problem = str(e)
     return [

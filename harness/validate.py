@@ -150,10 +150,13 @@ def _check_train(cfg: DictConfig, world_size: int, gpus: int, local_world_size: 
     errors += _at_least(cfg, "train.grad_clip", 0, "set train.grad_clip=0 to disable clipping")
     errors += _at_least(cfg, "train.eval_every", 0, "train.eval_every=0 (no eval pass) or e.g. 100")
     batches = cfg.train.eval_batches
-    if cfg.train.eval_every > 0 and batches != "all" and (type(batches) is not int or batches < 1):
+    if batches != "all" and (type(batches) is not int or batches < 1):  # checked with eval off too: it may be on later
+        quoted = isinstance(batches, str) and batches.strip().isdigit()  # '4': a number in quotes, a string
+        shown = f"{batches!r} (a string)" if quoted else batches
+        fix = f"{batches.strip()} without quotes" if quoted else "4"
         errors.append(
-            f"train.eval_batches={batches} is neither a number of batches (at least 1) nor 'all'. "
-            "Fix: train.eval_batches=4 (spread over the held-out split), or train.eval_batches=all (every window)."
+            f"train.eval_batches={shown} is neither a number of batches (at least 1) nor 'all'. Fix: "
+            f"train.eval_batches={fix} (spread over the held-out split), or train.eval_batches=all (every window)."
         )
     for key in ("launcher.nproc", "dist.threads_per_rank"):
         if OmegaConf.select(cfg, key) is not None:
@@ -321,7 +324,9 @@ def _check_sharding_and_averager(cfg: DictConfig, world_size: int, local_world_s
             "scaler, which the harness has not, and small gradients underflow. Fix: sharding.param_dtype=bfloat16 "
             "(or auto)."
         )
-    errors += fault_tolerance.config_errors(cfg, replicate) + slowdown.config_errors(replicate)
+    errors += fault_tolerance.config_errors(cfg, replicate) + slowdown.config_errors(
+        replicate, averager_configured(cfg)
+    )
     if not averager_configured(cfg):
         return errors
     # the clock asks an averager class its `schedule`, the loop its `before_step`: a ReplicaAverager's

@@ -110,7 +110,8 @@ ADACOMM = "averager.period_schedule=adacomm"
 # The rules the CLI cases above do not reach and no other test checks, through
 # `settle_config`: what train.py runs on the composed config before any rank starts.
 # An override `HARNESS_TEST_SLOWDOWN=...` sets that environment variable instead.
-SLOWDOWN = "HARNESS_TEST_SLOWDOWN="
+SLOWDOWN, FLOAT8_EMULATE = "HARNESS_TEST_SLOWDOWN=", "HARNESS_TEST_FLOAT8_EMULATE="
+KNOBS = (SLOWDOWN, FLOAT8_EMULATE)
 SETTLED = [
     ("plus unknown key", ["+averager.perod=4"], ["Unknown config key 'averager.perod'", "Fix: averager.period=4"]),
     ("negative steps", ["train.steps=-5"], ["train.steps=-5", "Fix:"]),
@@ -263,7 +264,7 @@ SETTLED = [
     (  # the other refusals (no torchao, a GPU below 8.9): tests/test_float8.py
         "float8 on the CPU",
         ["train.float8=rowwise"],
-        ["train.float8=rowwise: the ranks run on the CPU, which has no float8 matmuls", "Fix:"],
+        ["train.float8=rowwise: the ranks run on the CPU, where float8 cannot pay", "Fix:"],
     ),
     # the test knob that slows replicas: checked with the config (each rank failed alone, with a traceback, or in
     # time.sleep naming neither the variable nor a fix)
@@ -287,6 +288,40 @@ SETTLED = [
         ["the run has 2 replica(s), 0..1, so replica 2 would slow nothing", "or unset HARNESS_TEST_SLOWDOWN"],
     ),
     ("wandb timeout negative", ["wandb.init_timeout_s=-5"], ["wandb.init_timeout_s=-5.0 must be a positive", "Fix:"]),
+    (  # it failed at the first eval, after training began
+        "text with no held-out window",
+        ["data=text", "data.root={tmp}/tiny", "train.eval_every=10"],
+        [
+            "the held-out part of the text corpus holds 12 bytes",
+            "Fix: lower train.seq_len, or raise data.eval_fraction",
+        ],
+    ),
+    (  # MemoryError at the first eval
+        "eval batches past any pass",
+        ["train.eval_every=10", "train.eval_batches=10000000000"],
+        ["train.eval_batches=10000000000 batches at every eval of an endless stream", "Fix: train.eval_batches=4"],
+    ),
+    ("eval batches negative, eval off", ["train.eval_batches=-1"], ["train.eval_batches=-1 is neither", "Fix:"]),
+    (  # its fix read "train.eval_batches=4", the same value to the eye
+        "eval batches a quoted number",
+        ["train.eval_every=10", "train.eval_batches='4'"],
+        ["train.eval_batches='4' (a string)", "Fix: train.eval_batches=4 without quotes"],
+    ),
+    (
+        "resume latest",
+        ["checkpoint.resume=latest"],
+        ["checkpoint.resume='latest': no such file or directory", "Fix: checkpoint.resume=auto"],
+    ),
+    (  # it slowed nothing, without a word
+        "slowdown of synchronous training",
+        ["averager=none", f"{SLOWDOWN}1:3"],
+        ["this run trains synchronously (averager=none): it would slow nothing", "Fix: unset HARNESS_TEST_SLOWDOWN"],
+    ),
+    (  # ignored: only 1 emulates
+        "float8 emulation spelled true",
+        [f"{FLOAT8_EMULATE}true"],
+        ["HARNESS_TEST_FLOAT8_EMULATE='true' (a test knob", "Fix: HARNESS_TEST_FLOAT8_EMULATE=1"],
+    ),
 ]
 
 
@@ -295,10 +330,14 @@ def test_every_refusal_names_the_key_and_the_fix(name, overrides, expected, tmp_
     (tmp_path / "incomplete").mkdir()
     (tmp_path / "a_file").write_text("not a checkpoint")
     fake_checkpoint(tmp_path / "deep" / "step_5", n_layer=8)
-    monkeypatch.delenv(SLOWDOWN[:-1], raising=False)
-    for override in (o for o in overrides if o.startswith(SLOWDOWN)):
-        monkeypatch.setenv(SLOWDOWN[:-1], override.removeprefix(SLOWDOWN))
-    args = [*BASE, *(o.format(tmp=tmp_path) for o in overrides if not o.startswith(SLOWDOWN))]
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / "a.py").write_text("x = 1\n" * 200)  # 1200 bytes: 12 held out (data.eval_fraction)
+    for knob in KNOBS:
+        monkeypatch.delenv(knob[:-1], raising=False)
+    for override in (o for o in overrides if o.startswith(KNOBS)):
+        name, _, value = override.partition("=")
+        monkeypatch.setenv(name, value)
+    args = [*BASE, *(o.format(tmp=tmp_path) for o in overrides if not o.startswith(KNOBS))]
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         cfg = compose("config", overrides=args)
     nproc = local_rank_count(cfg)
@@ -366,6 +405,18 @@ TOOL_CASES = [
         ["group='first' is not a int. Fix: e.g. group=0 (a replica group's number)"],
     ),
     ("generate no run", "generate", ["{tmp}/none", "prompt=def"], ["'{tmp}/none' does not exist. Fix:"]),
+    (  # transformers' FileNotFoundError traceback
+        "generate an export without weights",
+        "generate",
+        ["{tmp}/export", "prompt=def"],
+        ["'{tmp}/export' holds a config.json but no weights", "Fix: export the run again"],
+    ),
+    (  # dropped silently
+        "generate a group of an export",
+        "generate",
+        ["{tmp}/export", "prompt=def", "group=1"],
+        ["group= picks a replica group of a fault-tolerant run, but '{tmp}/export' is an export", "Fix: drop group="],
+    ),
     (  # refused before the export, naming the run
         "generate no tokenizer",
         "generate",
@@ -387,6 +438,9 @@ def test_bad_tool_input_fails_clearly_and_writes_nothing(name, module, args, exp
     meta["config"] = {"data": {"_target_": "harness.data.SyntheticTokens", "noise": 0.1}, "model": MODEL}
     (step / "meta.json").write_text(json.dumps(meta))
     (tmp_path / "run" / "metrics.jsonl").write_text(json.dumps({"step": 1, "train/loss": 5.0}) + "\n")
+    (tmp_path / "export").mkdir()  # an export cut short: its config and tokenizer, no weights
+    (tmp_path / "export" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    (tmp_path / "export" / "tokenizer.json").write_text("{}")
     before = snapshot(tmp_path)
     command = [sys.executable, "-m", f"harness.{module}", *[a.format(tmp=tmp_path) for a in args]]
     proc = subprocess.run(command, env=cli_env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
@@ -416,6 +470,10 @@ COMPOSITION = [
         "vocab_size, bias, tie_embeddings, dropout.",
     ),
     (["train.steps=abc"], "harness: train.steps=abc: train.steps takes an integer. Fix: train.steps=200, for example."),
+    (  # OmegaConf takes any integer for a bool: 2 was true
+        ["model.bias=2"],
+        "harness: model.bias=2: model.bias takes true or false. Fix: model.bias=true or model.bias=false.",
+    ),
     (
         ["sharding.replicate=two"],
         "harness: sharding.replicate=two: sharding.replicate takes an integer or null. "

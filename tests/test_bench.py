@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from support import REPO, base_env, run_cli
 
@@ -72,6 +73,13 @@ BAD_ARGUMENTS = [
     ("gpu.py", ["--models", "gpt2"], ["--models gpt2: gpt2 is not one of this device's models", "Fix: --models gpt,"]),
     ("gpu.py", ["--count-steps", "0"], ["argument --count-steps: must be an integer >= 1, got '0'"]),
     ("gpu.py", ["--float8", "fast"], ["argument --float8: invalid choice: 'fast'"]),
+    ("gpu.py", ["--kernels", "bogus"], ["--kernels bogus: no path bogus (paths: harness,"]),  # it exited 1
+    ("gpu.py", ["--compile-backend", "bogus"], ["argument --compile-backend: invalid choice: 'bogus'"]),  # unchecked
+    (  # measured the float8 rows, then "not run here", exit 0
+        "gpu.py",
+        ["--float8", "speed"],
+        ["--float8 speed: train.float8=tensorwise: the ranks run on the CPU, where float8 cannot pay"],
+    ),
     (
         "overhead.py",
         ["--nproc", "0"],
@@ -79,6 +87,8 @@ BAD_ARGUMENTS = [
     ),  # it named launcher.nproc
     ("overhead.py", ["--rounds", "1"], ["argument --rounds: must be an integer >= 2, got '1'"]),
     ("matrix.py", ["--rows", "torchf"], ["--rows torchf: choose from one-world,torchft"]),
+    ("matrix.py", ["--only", "nosuchrow"], ["--only nosuchrow: no trained row's name holds it"]),  # "done", exit 0
+    ("matrix.py", ["--smoke", "--only", "nosuchrow"], ["--only nosuchrow: no trained row's name holds it"]),
     ("uneven.py", ["--rounds", "0"], ["argument --rounds: must be an integer >= 1, got '0'"]),  # StatisticsError
     ("uneven.py", ["--steps", "0"], ["argument --steps: must be an integer >= 1, got '0'"]),  # checkpoint.interval=0
     ("uneven.py", ["--factor", "nan"], ["argument --factor: must be a finite number > 1, got 'nan'"]),
@@ -104,6 +114,8 @@ BAD_ARGUMENTS = [
 
 @pytest.mark.parametrize("script,args,expected", BAD_ARGUMENTS, ids=[f"{b[0]} {' '.join(b[1])}" for b in BAD_ARGUMENTS])
 def test_a_bench_refuses_a_bad_argument_naming_its_flag(script, args, expected, tmp_path):
+    if args[:2] == ["--float8", "speed"] and torch.cuda.is_available():
+        pytest.skip("refused on the CPU only: a GPU may run it")
     proc = run_cli(args, base_env(tmp_path), REPO, script=REPO / "bench" / script, timeout=60)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2 and all(text in out for text in expected), out

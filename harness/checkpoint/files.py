@@ -57,7 +57,10 @@ def unreadable(path: Path, problem: str, fix: str) -> CheckpointError:
     return CheckpointError(f"checkpoint.resume={str(path)!r}: {problem}. {fix}", path, problem)
 
 
-RESUME_FIX = "Fix: point checkpoint.resume at a step_<N> directory written by harness, or checkpoint.resume=never."
+RESUME_FIX = (
+    "Fix: checkpoint.resume=auto (the newest complete checkpoint in checkpoint.dir, if any), a path to a step_<N> "
+    "directory written by harness (or its checkpoints folder), or checkpoint.resume=never."
+)
 
 
 def read_meta(path: Path) -> dict:

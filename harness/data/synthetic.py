@@ -13,6 +13,9 @@ _LANGUAGE_SEED = 1234  # fixes the synthetic "grammar", so runs with other seeds
 _EVAL_STREAM = 2**40  # synthetic eval samples are numbered from here: never drawn in training
 
 
+MAX_EVAL_BATCHES = 100_000  # batches an eval pass of the endless held-out stream may score
+
+
 class SyntheticTokens:
     """A noisy deterministic walk: the next token is perm[token] with prob 1-noise,
     else uniform. Loss can fall from ln(V) towards the noise entropy."""
@@ -29,6 +32,12 @@ class SyntheticTokens:
             return [
                 f"train.eval_batches={eval_batches} scores every held-out window, but data=synthetic's held-out "
                 "stream is endless. Fix: a number of batches, e.g. train.eval_batches=4."
+            ]
+        if eval_every > 0 and isinstance(eval_batches, int) and eval_batches > MAX_EVAL_BATCHES:
+            return [  # a split of text or tokens bounds a pass (a number past it is every window); this stream none
+                f"train.eval_batches={eval_batches} batches at every eval of an endless stream, each generated on "
+                f"the host: past {MAX_EVAL_BATCHES:,} a pass takes hours (and its window numbers alone filled the "
+                "host's memory). Fix: train.eval_batches=4, or a few hundred for a final number."
             ]
         return []
 

@@ -58,12 +58,18 @@ class TextTokens:
                 f"data.root={self.root!r} is not a directory. Fix: point data.root at a folder of "
                 "text files, or data.root=null for the Python standard library's sources."
             ]
-        if not self.files():
+        files = self.files()
+        if not files:
             return [
                 f"data.glob={self.glob!r} matches no file under data.root={self.root!r}. "
                 "Fix: check the pattern ('**' recurses), e.g. data.glob='**/*.py'."
             ]
-        return []
+        total = min(sum(os.path.getsize(p) for p in files), self.max_bytes)  # the bytes `open` caches
+        held = int(total * self.eval_fraction)
+        short = [_too_short(total - held, length, "text corpus", "add files (data.root, data.glob)")]
+        if evaluates and self.eval_fraction > 0:  # an eval pass needs a window of the held-out part
+            short.append(_too_short(held, length, "held-out part of the text corpus", "raise data.eval_fraction"))
+        return [error for error in short if error]
 
     def files(self) -> list[str]:
         root = text_root(self.root)
@@ -135,13 +141,19 @@ class TextTokens:
 
 
 def _windows(tokens: np.ndarray, length: int, part: str, more: str) -> int:
-    windows = (len(tokens) - 1) // length
-    if windows < 1:
-        raise ValueError(
-            f"the {part} holds {len(tokens)} bytes, fewer than one window of train.seq_len+1={length} bytes. "
-            f"Fix: lower train.seq_len, or {more}."
-        )
-    return windows
+    if error := _too_short(len(tokens), length, part, more):
+        raise ValueError(error)
+    return (len(tokens) - 1) // length
+
+
+def _too_short(size: int, length: int, part: str, more: str) -> str | None:
+    """Why a `part` of `size` bytes holds no window of `length` (None: it holds one)."""
+    if (size - 1) // length >= 1:
+        return None
+    return (
+        f"the {part} holds {size} bytes, fewer than one window of train.seq_len+1={length} bytes. "
+        f"Fix: lower train.seq_len, or {more}."
+    )
 
 
 def text_root(root: str | None) -> str:

@@ -138,14 +138,20 @@ class HFCausalLM(nn.Module):
         hf._attn_implementation = "sdpa"  # CUDA picks flash / efficient kernels, as for the harness's models
         positions = getattr(hf.get_text_config(), "max_position_embeddings", None)
         if seq_len is not None and positions is not None and seq_len > positions:
+            # a model from a config.json (a pretrained one, an export: model.init_from) has weights made for its
+            # positions, a learned position table among them: only a model built afresh may take more
+            more = f", or model.config_overrides.max_position_embeddings={seq_len}" if config is None else ""
             raise ValueError(
                 f"train.seq_len={seq_len} is longer than the model's max_position_embeddings={positions}. "
-                f"Fix: train.seq_len<={positions}, or model.config_overrides.max_position_embeddings={seq_len}."
+                f"Fix: train.seq_len={positions} or less{more}."
             )
         from transformers import AutoModelForCausalLM
 
+        from harness.float8 import torchao_quieted
+
         super().__init__()
-        causal_lm = AutoModelForCausalLM.from_config(hf)
+        with torchao_quieted():  # transformers imports torchao where it is installed
+            causal_lm = AutoModelForCausalLM.from_config(hf)
         # Held outside the module tree: its children are registered here as ours, so
         # parameter names are transformers' own, and its forward runs on them.
         object.__setattr__(self, "causal_lm", causal_lm)
