@@ -260,8 +260,8 @@ class ModelHarnessKeys:
 @dataclass
 class GPTConf(ModelHarnessKeys):
     """nanoGPT's `model.py` GPT (harness/models/gpt.py); its position table holds train.seq_len positions
-    (nanoGPT's block_size). The defaults: nanoGPT's CPU "baby" shape with GPT-2's biases and tied head
-    (preset with GPT-2 small's shape: conf/model/gpt2.yaml)."""
+    (nanoGPT's block_size) unless n_positions says more. The defaults: nanoGPT's CPU "baby" shape with
+    GPT-2's biases and tied head (preset with GPT-2 small's shape: conf/model/gpt2.yaml)."""
 
     _target_: str = "harness.models.GPT"
     n_layer: int = 4
@@ -270,9 +270,18 @@ class GPTConf(ModelHarnessKeys):
     vocab_size: int = 256
     bias: bool = True  # biases in every Linear and LayerNorm, as GPT-2 (nanoGPT's bias=False: none)
     tie_embeddings: bool = True  # the output head is the token embedding table, as GPT-2 and nanoGPT
+    # the MLP's GELU, as config.json's activation_function: gelu, exact (nanoGPT's); gelu_new, the tanh
+    # approximation GPT-2's checkpoints compute
+    activation: str = "gelu"
+    # the position table's rows (config.json's n_positions); null = train.seq_len. More rows than
+    # train.seq_len (a GPT-2 checkpoint's 1024) are kept and not used; fewer are refused
+    n_positions: Optional[int] = None
     dropout: float = 0.0  # embedding, attention and residual dropout, nanoGPT's (each rank's seeded torch RNG)
     RESUME: ClassVar[Dict[str, Resume]] = {
-        **dict.fromkeys(("_target_", "n_layer", "n_head", "d_model", "vocab_size", "bias", "tie_embeddings"), SHAPE),
+        **dict.fromkeys(
+            ("_target_", "n_layer", "n_head", "d_model", "vocab_size", "bias", "tie_embeddings", "n_positions"), SHAPE
+        ),
+        "activation": Resume(OnResume.refused, "the saved weights were trained through their GELU, not another"),
         "dropout": DROPOUT,
     }
 

@@ -142,6 +142,13 @@ RULES = [
     (["dist.threads_per_rank=0"], 2, 0, ["dist.threads_per_rank=0", "null"]),
     (["model.n_head=3"], 2, 0, ["model.d_model=128", "model.n_head=3", "model.n_head=4"]),
     (["model.n_layer=0"], 2, 0, ["model.n_layer=0"]),
+    (
+        ["model.n_positions=32"],
+        2,
+        0,
+        ["train.seq_len=64 is longer than model.n_positions=32", "Fix: train.seq_len=32", "model.n_positions=null"],
+    ),
+    (["model.activation=relu"], 2, 0, ["model.activation='relu'", "Fix: model.activation=gelu", "gelu_new"]),
     (["model=llama", "model.d_model=100", "model.n_heads=8"], 2, 0, ["model.d_model=100", "model.n_heads=10"]),
     (["model=llama", "model.n_kv_heads=3"], 2, 0, ["model.n_heads=4", "model.n_kv_heads=3", "model.n_kv_heads=4"]),
     (["model=llama", "model.d_model=12"], 2, 0, ["model.d_model=12", "heads 3 wide", "model.d_model=16"]),

@@ -24,9 +24,10 @@ from harness.models import GPT, Llama, build_model, materialize, parameter_count
 from harness.models.hf_weights import save_hf_weights
 from harness.models.llama import hf_name
 from harness.models.loss import lm_loss
+from harness.models.pretrained import adopt_init_from
 from harness.rng import seeded_generator
 
-from support import REPO
+from support import REPO, make
 
 CPU = torch.device("cpu")
 register_configs()
@@ -447,21 +448,31 @@ def test_gpt_flops_per_token_count_a_tied_head():
     assert tied.flops_per_token(8) == 6 * outside_tables + 12 * 2 * 16 * 8
 
 
-GPT_SHAPES = [(True, True), (True, False), (False, True), (False, False)]
+GPT_SHAPES = [  # (bias, tie_embeddings, activation)
+    (True, True, "gelu"),
+    (True, False, "gelu"),
+    (False, True, "gelu"),
+    (False, False, "gelu"),
+    (True, True, "gelu_new"),
+]
 
 
-@pytest.mark.parametrize("bias,tie", GPT_SHAPES, ids=["gpt2", "untied", "no-bias", "no-bias-untied"])
-def test_gpt_exports_as_transformers_gpt2_with_its_logits(bias, tie, tmp_path):
+@pytest.mark.parametrize(
+    "bias,tie,activation", GPT_SHAPES, ids=["gpt2", "untied", "no-bias", "no-bias-untied", "gelu_new"]
+)
+def test_gpt_exports_as_transformers_gpt2_with_its_logits_and_init_from_reads_it_back(bias, tie, activation, tmp_path):
     """The independent check that ours is GPT-2's architecture, and that its export is GPT-2's
     checkpoint: every weight drawn at random, written by the writer `harness.export` uses
     (GPT-2's names, Conv1D weights transposed, zero biases for a model without them, config.json
-    with the exact GELU), loaded by transformers' GPT2LMHeadModel with no key missing or left
-    over, and the logits agree to float32 rounding (GPT-2's own checkpoints use the tanh GELU,
-    gelu_new, which would not)."""
+    with the model's GELU: exact, or GPT-2's tanh approximation), loaded by transformers'
+    GPT2LMHeadModel with no key missing or left over, and the logits agree to float32 rounding
+    (at these weights the other GELU would not). `model=gpt model.init_from=<export>` reads it
+    back bit for bit, the architecture from its config.json (GPT-2 has biases: zero ones for a
+    model without them)."""
     from transformers import GPT2LMHeadModel
 
     vocab, d, n_layer, n_head, seq = 96, 32, 2, 4, 24
-    ours = GPT(n_layer, n_head, d, vocab, seq_len=seq, bias=bias, tie_embeddings=tie)
+    ours = GPT(n_layer, n_head, d, vocab, seq_len=seq, bias=bias, tie_embeddings=tie, activation=activation)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in ours.parameters():
@@ -472,7 +483,11 @@ def test_gpt_exports_as_transformers_gpt2_with_its_logits(bias, tie, tmp_path):
     config = theirs.config
     shape = config.n_positions, config.n_embd, config.n_layer, config.n_head, config.vocab_size
     assert shape == (seq, d, n_layer, n_head, vocab)
-    assert (config.activation_function, config.layer_norm_epsilon, config.tie_word_embeddings) == ("gelu", 1e-5, tie)
+    assert (config.activation_function, config.layer_norm_epsilon, config.tie_word_embeddings) == (
+        activation,
+        1e-5,
+        tie,
+    )
     assert (theirs.lm_head.weight is theirs.transformer.wte.weight) == tie
     logits = []
     ours.head.register_forward_hook(lambda module, args, out: logits.append(out))
@@ -481,3 +496,16 @@ def test_gpt_exports_as_transformers_gpt2_with_its_logits(bias, tie, tmp_path):
         ours(tokens, tokens)
         expected = theirs.eval()(input_ids=tokens).logits
     torch.testing.assert_close(logits[0], expected, rtol=1e-5, atol=1e-5)
+
+    cfg = make("model=gpt", f"model.init_from={tmp_path / 'hf'}", f"train.seq_len={seq}")
+    adopt_init_from(cfg.model, explicit=set())
+    architecture = {k: cfg.model[k] for k in ("n_layer", "n_head", "d_model", "vocab_size", "n_positions")}
+    assert architecture == {"n_layer": 2, "n_head": 4, "d_model": 32, "vocab_size": 96, "n_positions": seq}
+    assert (cfg.model.bias, cfg.model.tie_embeddings, cfg.model.activation) == (True, tie, activation)
+    back = build_model(cfg.model, cfg.train.seq_len)
+    materialize(back, CPU, seed=1, init_from=cfg.model.init_from)
+    read = dict(back.named_parameters())
+    for name, param in ours.named_parameters():
+        assert torch.equal(read.pop(name), param), name
+    assert all(name.endswith("bias") and not p.any() for name, p in read.items()), sorted(read)
+    assert bool(read) != bias  # GPT-2's zero biases, where ours had none

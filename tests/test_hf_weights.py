@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 from harness.config import ConfigError, register_configs
 from harness.data import build_data
 from harness.launch.check import settle_config
-from harness.models import build_model, materialize
-from harness.models.hf_weights import save_hf_weights
+from harness.models import HFCausalLM, Llama, build_model, materialize
+from harness.models.hf_weights import hf_state, save_hf_weights
 from harness.overrides import override_errors
 
 from support import REPO, check_ok, losses, make, read_metrics, run_cli
@@ -36,10 +36,20 @@ HF_LLAMA = [
     "model.config_overrides.intermediate_size=256",
     "model.config_overrides.tie_word_embeddings=true",  # a transformers key the default overrides lack: no '+'
 ]
+# GPT-2's GELU and a position table longer than train.seq_len (SMALL's 16), as GPT-2's 1024 rows would be
+GPT = ["model=gpt", "model.n_layer=2", "model.d_model=64", "model.activation=gelu_new", "model.n_positions=32"]
+MODEL_ARGS = {"llama": LLAMA, "hf": HF_LLAMA, "gpt": GPT}
 
 
 def exported_tensors(out: Path) -> dict[str, torch.Tensor]:
     return {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def output_head(model: torch.nn.Module) -> torch.nn.Module:
+    """The module whose output is the logits."""
+    if isinstance(model, HFCausalLM):
+        return model.causal_lm.get_output_embeddings()
+    return model.output if isinstance(model, Llama) else model.head
 
 
 def save_tiny_llama(path: Path, **config) -> None:
@@ -51,10 +61,11 @@ def save_tiny_llama(path: Path, **config) -> None:
 
 
 # (model, layout, checkpoint mode): the Llama as post-local SGD replicas that have diverged
-# (the export is their mean), model=hf sharded over 2 ranks
+# (the export is their mean), model=hf sharded over 2 ranks, the GPT (GPT-2's layout) under DDP
 CASES = [
     ("llama", ["launcher.nproc=2", "sharding=no_shard", "averager=periodic", "averager.warmup_steps=2"], "full"),
     ("hf", ["launcher.nproc=2", "sharding=full_shard", "averager=none"], "sharded"),
+    ("gpt", ["launcher.nproc=2", "sharding=ddp", "averager=none"], "full"),
 ]
 
 
@@ -65,12 +76,13 @@ def test_export_loads_in_transformers_and_init_from_reads_it_back_bitwise(model,
     transformers' AutoModelForCausalLM loads bit for bit and that give the
     harness model's logits; `model.init_from` reads them back bit for bit, in
     one process and sharded over 2 ranks (whose first loss is the one-process
-    loss of the same batch)."""
+    loss of the same batch). The GPT's goes through GPT-2's layout (transposed
+    Conv1D weights) both ways, and init_from takes its GELU and its position
+    table's rows from config.json."""
     from transformers import AutoModelForCausalLM
 
-    model_args = LLAMA if model == "llama" else HF_LLAMA
     run, out = tmp_path / "run", tmp_path / "hf"
-    args = [*SMALL, *model_args, *layout, "train.steps=6", "checkpoint.interval=5", f"checkpoint={mode}"]
+    args = [*SMALL, *MODEL_ARGS[model], *layout, "train.steps=6", "checkpoint.interval=5", f"checkpoint={mode}"]
     check_ok(run_cli([*args, f"hydra.run.dir={run}"], cli_env, tmp_path))
     source = run / "checkpoints" / "step_5" if model == "llama" else run  # the llama's last step averages them
     proc = subprocess.run(
@@ -92,12 +104,14 @@ def test_export_loads_in_transformers_and_init_from_reads_it_back_bitwise(model,
 
     # init_from alone gives the architecture (config.json's), as from_pretrained(out) takes it
     cfg = settle([f"model={model}", f"model.init_from={out}", *SMALL], tmp_path)
+    if model == "gpt":
+        assert (cfg.model.activation, cfg.model.n_positions, cfg.model.n_layer) == ("gelu_new", 32, 2)
     ours = build_model(cfg.model, cfg.train.seq_len)
     materialize(ours, CPU, seed=123, init_from=cfg.model.init_from)
-    state = dict(ours.named_parameters())
-    assert {hf: fqn for fqn, hf in ours.hf_names().items()}.keys() == exported.keys()
-    for fqn, hf in ours.hf_names().items():
-        assert torch.equal(state[fqn], exported[hf]), fqn  # harness -> HF -> harness is bitwise
+    state = hf_state(ours)  # the parameters as transformers lays them out, under its names
+    assert state.keys() == exported.keys()
+    for name, tensor in state.items():
+        assert torch.equal(tensor, exported[name]), name  # harness -> HF -> harness is bitwise
 
     sharded = tmp_path / "sharded"
     args = [*SMALL, f"model={model}", f"model.init_from={out}", "launcher.nproc=2", "sharding=full_shard"]
@@ -105,15 +119,15 @@ def test_export_loads_in_transformers_and_init_from_reads_it_back_bitwise(model,
     check_ok(proc)
     recorded = OmegaConf.to_container(OmegaConf.load(sharded / ".hydra" / "config.yaml").model)
     assert recorded == OmegaConf.to_container(cfg.model), "the run records what it built"
+    architecture = "gpt2" if model == "gpt" else "llama"
     assert (
-        f"model.init_from={out}: the architecture from its config.json: llama, 2 layers, hidden size 64"
+        f"model.init_from={out}: the architecture from its config.json: {architecture}, 2 layers, hidden size 64"
         in (sharded / "train.log").read_text()
     )
     # the run's first global batch (2 ranks x 4), read in one process
     tokens, targets = build_data(make(*args, "train.batch_size=8"), rank=0, world_size=1, device=CPU).next_batch()
     logits = []
-    head = ours.output if model == "llama" else ours.lm_head
-    head.register_forward_hook(lambda module, args, out: logits.append(out))
+    output_head(ours).register_forward_hook(lambda module, args, out: logits.append(out))
     with torch.no_grad():
         first = ours(tokens, targets).item()
         expected = theirs(input_ids=tokens).logits
@@ -273,7 +287,10 @@ def test_generate_continues_with_an_exported_gpt_as_the_harness_gpt_would(tmp_pa
 
 def zoo_config(family: str):
     """A tiny random config of each family the zoo covers (save_pretrained'd by the test)."""
-    from transformers import GemmaConfig, LlamaConfig, Qwen2Config
+    from transformers import GemmaConfig, GPT2Config, LlamaConfig, Qwen2Config
+
+    if family == "gpt2":  # GPT-2's Conv1D weights, tanh GELU (gelu_new) and 32 positions, tied
+        return GPT2Config(vocab_size=256, n_positions=32, n_embd=64, n_layer=2, n_head=4)
 
     shape = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
     llama3 = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0, "rope_theta": 10000.0}
@@ -291,20 +308,22 @@ def zoo_config(family: str):
     return config
 
 
-ZOO = [("llama3.2", "llama"), ("llama3.1", "llama"), ("qwen2", "hf"), ("gemma", "hf")]
+ZOO = [("llama3.2", "llama"), ("llama3.1", "llama"), ("qwen2", "hf"), ("gemma", "hf"), ("gpt2", "gpt")]
 
 
 @pytest.mark.parametrize("family,model", ZOO, ids=[f"{f}-model={m}" for f, m in ZOO])
 def test_model_zoo_init_from_trains_and_exports_what_transformers_computes(family, model, tmp_path):
     """A tiny random model of each family, saved with save_pretrained: `model=<model>
-    model.init_from=<dir>` alone builds it; its first loss is transformers' loss on the
-    same batch; after one AdamW step the export (the writer harness.export uses) loads in
-    transformers and gives the harness's logits."""
+    model.init_from=<dir>` alone builds it (GPT-2's on the harness's GPT); its first logits
+    and loss are transformers' on the same batch; after one AdamW step the export (the writer
+    harness.export uses) loads in transformers and gives the harness's logits."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(zoo_config(family)).save_pretrained(tmp_path / "hf")
     cfg = settle([*SMALL, f"model={model}", f"model.init_from={tmp_path / 'hf'}"], tmp_path)
+    if family == "gpt2":  # at these weights the two GELUs give the same loss to 1e-6: the key says which
+        assert (cfg.model.activation, cfg.model.n_positions, cfg.model.bias) == ("gelu_new", 32, True)
     ours = build_model(cfg.model, cfg.train.seq_len)
     materialize(ours, CPU, seed=0, init_from=cfg.model.init_from)
     tokens = torch.randint(256, (2, 17), generator=torch.Generator().manual_seed(0))
@@ -316,19 +335,20 @@ def test_model_zoo_init_from_trains_and_exports_what_transformers_computes(famil
             logits = theirs(input_ids=tokens).logits
         return logits, torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
 
+    logits = []
+    output_head(ours).register_forward_hook(lambda module, args, out: logits.append(out.detach()))
     loss = ours(tokens, targets)
-    assert loss.item() == pytest.approx(their_loss(tmp_path / "hf")[1], rel=1e-5)
+    expected, theirs = their_loss(tmp_path / "hf")
+    torch.testing.assert_close(logits[0], expected, rtol=1e-5, atol=1e-5)
+    assert loss.item() == pytest.approx(theirs, rel=1e-5)
     optimizer = torch.optim.AdamW(ours.parameters(), lr=1e-2)
     loss.backward()
     optimizer.step()
     save_hf_weights(ours.eval(), tmp_path / "out")
-    logits = []
-    head = ours.output if model == "llama" else ours.causal_lm.get_output_embeddings()
-    head.register_forward_hook(lambda module, args, out: logits.append(out))
     with torch.no_grad():
         after = ours(tokens, targets).item()
     expected, theirs = their_loss(tmp_path / "out")
-    torch.testing.assert_close(logits[0], expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits[1], expected, rtol=1e-5, atol=1e-5)
     assert after == pytest.approx(theirs, rel=1e-5) and after < loss.item()
 
 
@@ -361,11 +381,20 @@ def init_from_case(tmp_path: Path, case: str) -> list[str]:
     if case == "no hf layout":
         save_tiny_llama(tmp_path / "llama")
         return ["model=mlp", f"model.init_from={tmp_path / 'llama'}"]
-    if case == "gpt":  # a GPT's own export: model=gpt writes GPT-2's layout, and does not read it
-        gpt = build_model(make("model=gpt").model, seq_len=16)
-        materialize(gpt, CPU, seed=0)
-        save_hf_weights(gpt, tmp_path / "gpt")
-        return ["model=gpt", "train.seq_len=16", f"model.init_from={tmp_path / 'gpt'}"]
+    if case == "gpt past its positions":
+        save_tiny_gpt2(tmp_path / "gpt2", n_positions=16)
+        return ["model=gpt", "train.seq_len=32", f"model.init_from={tmp_path / 'gpt2'}"]
+    if case == "gpt relu":
+        save_tiny_gpt2(tmp_path / "gpt2", activation_function="relu")
+        return ["model=gpt", f"model.init_from={tmp_path / 'gpt2'}"]
+    if case == "base model names":  # GPT2Model's files, as the Hub's gpt2: no `transformer.` prefix
+        from transformers import GPT2Config, GPT2Model
+
+        GPT2Model(GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4)).save_pretrained(tmp_path / "base")
+        return ["model=gpt", f"model.init_from={tmp_path / 'base'}"]
+    if case == "not a gpt2":
+        save_tiny_llama(tmp_path / "llama")
+        return ["model=gpt2", f"model.init_from={tmp_path / 'llama'}"]
     if case == "config vocab":
         save_tiny_llama(tmp_path / "vocab")
         return ["model=hf", f"model.config={tmp_path / 'vocab'}", "model.vocab_size=512"]
@@ -397,6 +426,13 @@ def init_from_case(tmp_path: Path, case: str) -> list[str]:
     raise AssertionError(case)
 
 
+def save_tiny_gpt2(path: Path, **config) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    shape = dict(n_embd=64, n_layer=2, n_head=4)
+    GPT2LMHeadModel(GPT2Config(vocab_size=256, **{**shape, **config})).save_pretrained(path)
+
+
 def save_tiny_qwen2(path: Path) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -417,8 +453,17 @@ INIT_FROM_CASES = [
     ("contradicted width", ["model.multiple_of=64", "SwiGLU width of 384 (config.json: intermediate_size=512)"]),
     ("shape", ["tensor 'model.embed_tokens.weight' has shape [256, 64], the model's is [128, 64]", "Fix:"]),
     ("extra tensor", ["holds tensor 'lm_head.weight'", "model.tie_embeddings", "Fix:"]),
-    ("no hf layout", ["model TokenMLP has no Hugging Face layout", "Fix: model=llama or model=hf"]),
-    ("gpt", ["model GPT is exported to Hugging Face's layout but does not read it", "Fix: model=llama or model=hf"]),
+    ("no hf layout", ["model TokenMLP has no Hugging Face layout", "Fix: model=gpt (a GPT-2 checkpoint), model=llama"]),
+    (
+        "gpt past its positions",
+        ["train.seq_len=32 is longer than model.n_positions=16", "config.json's n_positions", "Fix: train.seq_len=16"],
+    ),
+    ("gpt relu", ['activation_function="relu"', 'computes activation_function="gelu" or "gelu_new"', "Fix: model=hf"]),
+    ("not a gpt2", ["LlamaConfig (model_type='llama'), not a GPT-2", "Fix: model=hf model.init_from="]),
+    (
+        "base model names",
+        ["holds tensor 'wte.weight' where the model needs 'transformer.wte.weight'", "Fix: write it again", "(<dir>)"],
+    ),
     ("config vocab", ["model.vocab_size=512 differs from", "vocab_size=256", "Fix: model.vocab_size=256"]),
     ("not a llama", ["Qwen2Config (model_type='qwen2'), not a Llama", "Fix: model=hf model.init_from="]),
     ("yarn", ["rope_type='yarn'", "Fix: model=hf model.init_from="]),

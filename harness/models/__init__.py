@@ -22,9 +22,10 @@ A model with Hugging Face's layout also gives `hf_names()` (its parameter names
 to transformers' names) and `hf_config()` (the config.json that describes it):
 harness/models/hf_weights.py reads (`model.init_from`) and writes
 (`harness.export`) safetensors through them. A model whose tensors transformers
-holds otherwise gives `hf_tensors()` (transformers' names to the tensors to
-write) in place of `hf_names()`, and is exported only (GPT: GPT-2's Conv1D
-weights are transposed, and a model without biases has zero ones).
+lays out otherwise also gives `hf_layout(fqn, tensor)` (the parameter as
+transformers holds it, a view, used both ways), and one lacking tensors
+transformers holds gives them in `hf_missing()` for the export (GPT: GPT-2's
+Conv1D weights are transposed, and a model without biases has zero ones).
 
 Members: `GPT` and `TokenMLP` (gpt.py), `Llama` (llama.py), `HFCausalLM`
 (hf.py: any transformers causal LM).

@@ -1,9 +1,10 @@
 """A GPT decoder LM - nanoGPT's `model.py` GPT, and so GPT-2's architecture,
-with `bias` and `tie_embeddings` - and a tiny token MLP for fast tests (the
-protocol they follow: harness/models/__init__.py)."""
+with `bias`, `tie_embeddings`, `activation` and `n_positions` - and a tiny token
+MLP for fast tests (the protocol they follow: harness/models/__init__.py)."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import torch
@@ -29,24 +30,29 @@ class CausalSelfAttention(nn.Module):
         return self.residual_dropout(self.out_proj(y.transpose(1, 2).reshape(b, t, d)))
 
 
+# `model.activation` (transformers' `activation_function` names) -> F.gelu's `approximate`
+GELU_APPROXIMATIONS = {"gelu": "none", "gelu_new": "tanh"}
+
+
 class MLP(nn.Module):
-    def __init__(self, d_model: int, hidden: int, dropout: float, bias: bool = True):
+    def __init__(self, d_model: int, hidden: int, dropout: float, bias: bool = True, activation: str = "gelu"):
         super().__init__()
         self.fc = nn.Linear(d_model, hidden, bias=bias)
         self.out_proj = nn.Linear(hidden, d_model, bias=bias)
         self.residual_dropout = nn.Dropout(dropout)
+        self.approximate = GELU_APPROXIMATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.residual_dropout(self.out_proj(F.gelu(self.fc(x))))
+        return self.residual_dropout(self.out_proj(F.gelu(self.fc(x), approximate=self.approximate)))
 
 
 class GPTBlock(nn.Module):
-    def __init__(self, d_model: int, n_head: int, dropout: float, bias: bool = True):
+    def __init__(self, d_model: int, n_head: int, dropout: float, bias: bool = True, activation: str = "gelu"):
         super().__init__()
         self.ln_attn = nn.LayerNorm(d_model, bias=bias)
         self.attn = CausalSelfAttention(d_model, n_head, dropout, bias)
         self.ln_mlp = nn.LayerNorm(d_model, bias=bias)
-        self.mlp = MLP(d_model, 4 * d_model, dropout, bias)
+        self.mlp = MLP(d_model, 4 * d_model, dropout, bias, activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_attn(x))
@@ -128,10 +134,13 @@ class TokenLM(nn.Module):
 
 class GPT(TokenLM):
     """Pre-norm GPT decoder, nanoGPT's `model.py` GPT: learned positions, causal
-    attention, 4x exact-GELU MLP; embedding, attention and residual dropout as nanoGPT's.
+    attention, 4x GELU MLP; embedding, attention and residual dropout as nanoGPT's.
     `bias`: biases in every Linear and LayerNorm (GPT-2's; nanoGPT's `bias`);
     `tie_embeddings`: the output head is the token embedding table (GPT-2's and
-    nanoGPT's). Both true by default: GPT-2's shape."""
+    nanoGPT's). Both true by default: GPT-2's shape. `activation`: `gelu`, the exact
+    GELU (nanoGPT's), or `gelu_new`, its tanh approximation (GPT-2's checkpoints');
+    `n_positions`: the position table's rows (GPT-2's `n_positions`), null for
+    `seq_len`; rows past `seq_len` are not used."""
 
     def __init__(
         self,
@@ -143,6 +152,8 @@ class GPT(TokenLM):
         dropout: float = 0.0,
         bias: bool = True,
         tie_embeddings: bool = True,
+        activation: str = "gelu",
+        n_positions: int | None = None,
     ):
         require_positive(n_layer=n_layer, n_head=n_head, d_model=d_model, vocab_size=vocab_size)
         require_probability(dropout)
@@ -151,35 +162,53 @@ class GPT(TokenLM):
                 f"model.d_model={d_model} is not divisible by model.n_head={n_head}. "
                 f"Fix: pick n_head dividing d_model, e.g. model.n_head={nearest_divisor(d_model, n_head)}."
             )
-        blocks = [GPTBlock(d_model, n_head, dropout, bias) for _ in range(n_layer)]
-        super().__init__(vocab_size, d_model, blocks, seq_len, bias, tie_embeddings, embedding_dropout=dropout)
+        if activation not in GELU_APPROXIMATIONS:
+            raise ValueError(
+                f"model.activation={activation!r} is not an activation model=gpt computes. Fix: model.activation=gelu "
+                "(the exact GELU, nanoGPT's) or model.activation=gelu_new (the tanh approximation, GPT-2's)."
+            )
+        if n_positions is not None:
+            require_positive(n_positions=n_positions)
+            if seq_len > n_positions:
+                raise ValueError(
+                    f"train.seq_len={seq_len} is longer than model.n_positions={n_positions}, the position table's "
+                    "rows (with model.init_from, config.json's n_positions): no position past them has an embedding. "
+                    f"Fix: train.seq_len={n_positions} or less; without model.init_from, model.n_positions=null also "
+                    "works (a table of train.seq_len rows)."
+                )
+        self.activation = activation
+        blocks = [GPTBlock(d_model, n_head, dropout, bias, activation) for _ in range(n_layer)]
+        positions = n_positions or seq_len
+        super().__init__(vocab_size, d_model, blocks, positions, bias, tie_embeddings, embedding_dropout=dropout)
 
-    def hf_tensors(self) -> dict[str, torch.Tensor]:
-        """What transformers' GPT2LMHeadModel holds for this model, under its names (what
-        `harness.export` writes): the Linear weights in blocks transposed (GPT-2's Conv1D stores
-        [in, out]), a zero bias for each Linear and LayerNorm built without one (GPT-2 always has
-        them; zero computes the same), a tied table once (as the embedding)."""
-        tensors = {}
+    def hf_names(self) -> dict[str, str]:
+        """Each parameter's name in transformers' GPT2LMHeadModel (a tied table once, as the embedding)."""
+        names = {}
+        for fqn, _ in self.named_parameters():
+            module, _, kind = fqn.rpartition(".")
+            names[fqn] = f"{gpt2_name(module)}.{kind}"
+        return names
+
+    @staticmethod
+    def hf_layout(fqn: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Parameter `fqn`'s `tensor` as GPT2LMHeadModel holds it, a view, so that one map serves both ways
+        (`model.init_from` reads into it in place, `harness.export` writes it): the blocks' Linear weights
+        transposed, since GPT-2's Conv1D stores [in, out]."""
+        return tensor.t() if fqn.startswith("blocks.") and tensor.dim() == 2 else tensor
+
+    def hf_missing(self) -> dict[str, torch.Tensor]:
+        """What GPT2LMHeadModel holds and this model does not, for the export: a zero bias for each
+        Linear and LayerNorm built without one (GPT-2 always has them; zero computes the same)."""
+        missing = {}
         for fqn, module in self.named_modules():
-            if not isinstance(module, (nn.Embedding, nn.Linear, nn.LayerNorm)):
-                continue
-            weight, name = module.weight.detach(), gpt2_name(fqn)
-            if module is self.head:
-                if module.weight is not self.tok_emb.weight:
-                    tensors[f"{name}.weight"] = weight
-            elif isinstance(module, nn.Embedding):
-                tensors[f"{name}.weight"] = weight
-            else:
-                linear = isinstance(module, nn.Linear)
-                tensors[f"{name}.weight"] = weight.t().contiguous() if linear else weight
-                shape = module.out_features if linear else module.normalized_shape
-                bias = module.bias
-                tensors[f"{name}.bias"] = torch.zeros(shape, dtype=weight.dtype) if bias is None else bias.detach()
-        return tensors
+            if isinstance(module, (nn.Linear, nn.LayerNorm)) and module is not self.head and module.bias is None:
+                shape = module.out_features if isinstance(module, nn.Linear) else module.normalized_shape
+                missing[f"{gpt2_name(fqn)}.bias"] = torch.zeros(shape, dtype=module.weight.dtype)
+        return missing
 
     def hf_config(self) -> dict:
-        """The config.json of the same model in transformers (GPT2Config's keys): exact GELU
-        ("gelu"; GPT-2's own checkpoints use "gelu_new"), nn.LayerNorm's epsilon, the run's dropout."""
+        """The config.json of the same model in transformers (GPT2Config's keys): the run's GELU
+        (`gelu`, exact; GPT-2's own checkpoints use `gelu_new`), nn.LayerNorm's epsilon, the run's dropout."""
         attention = self.blocks[0].attn
         return {
             "architectures": ["GPT2LMHeadModel"],
@@ -190,7 +219,7 @@ class GPT(TokenLM):
             "n_layer": len(self.blocks),
             "n_head": attention.n_head,
             "n_inner": self.blocks[0].mlp.fc.out_features,
-            "activation_function": "gelu",
+            "activation_function": self.activation,
             "layer_norm_epsilon": self.ln_f.eps,
             "resid_pdrop": attention.residual_dropout.p,
             "embd_pdrop": self.emb_dropout.p,
@@ -237,3 +266,38 @@ def gpt2_name(fqn: str) -> str:
         return GPT2_NAMES[fqn]
     layer, _, inner = rest.partition(".")
     return f"{GPT2_NAMES[top]}.{layer}.{GPT2_NAMES[inner]}"
+
+
+def keys_from_hf_config(hf, init_from: str) -> dict:
+    """model=gpt's architecture keys from transformers config `hf` (read from `init_from`'s config.json,
+    a GPT2LMHeadModel's); ValueError with the fix `model=hf` for what model=gpt does not compute."""
+    key = f"model.init_from={init_from!r}"
+    if hf.model_type != "gpt2":
+        raise ValueError(
+            f"{key}: its config.json is a {type(hf).__name__} (model_type={hf.model_type!r}), not a GPT-2. "
+            f"Fix: model=hf model.init_from={init_from} (any transformers causal LM; model=llama for a Llama)."
+        )
+    computed = {  # config.json's keys and the values model=gpt computes
+        "activation_function": tuple(GELU_APPROXIMATIONS),
+        "n_inner": (None, 4 * hf.n_embd),
+        "layer_norm_epsilon": (1e-5,),
+        "scale_attn_weights": (True,),
+        "scale_attn_by_inverse_layer_idx": (False,),
+    }
+    for name, values in computed.items():
+        if getattr(hf, name) not in values:
+            raise ValueError(
+                f"{key}: its config.json has {name}={json.dumps(getattr(hf, name))}, and model=gpt computes "
+                f"{name}={' or '.join(json.dumps(v) for v in values)} only. "
+                f"Fix: model=hf model.init_from={init_from} (transformers computes it)."
+            )
+    return {
+        "vocab_size": hf.vocab_size,
+        "d_model": hf.n_embd,
+        "n_layer": hf.n_layer,
+        "n_head": hf.n_head,
+        "n_positions": hf.n_positions,
+        "activation": hf.activation_function,
+        "bias": True,  # GPT-2 has a bias in every Linear and LayerNorm
+        "tie_embeddings": hf.tie_word_embeddings,
+    }

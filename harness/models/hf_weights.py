@@ -5,8 +5,10 @@ into a (sharded) model, every rank only the slices its shards hold;
 
 A model takes part through `hf_names()` (its parameters' names in
 transformers) and `hf_config()` (harness/models/__init__.py); one whose
-tensors transformers holds otherwise (GPT: GPT-2's transposed Conv1D weights)
-gives `hf_tensors()` instead of `hf_names()`, and is exported only.
+tensors transformers lays out otherwise also gives `hf_layout()` (GPT: GPT-2's
+transposed Conv1D weights, as views, so reading and writing share one map),
+and one that lacks tensors transformers holds gives them as `hf_missing()`
+for the export (GPT without biases: zero ones).
 """
 
 from __future__ import annotations
@@ -29,15 +31,16 @@ NEEDS_SAFETENSORS = 'Fix: pip install -e ".[hf]" (or pip install safetensors).'
 
 
 def hf_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's parameters under transformers' names (sharing storage: DCP reads into them in place)."""
+    """The model's parameters under transformers' names and as transformers lays them out (`hf_layout`),
+    sharing storage: DCP reads into them in place."""
     params = dict(model.named_parameters())
-    return {hf: params[fqn].detach() for fqn, hf in model.hf_names().items()}
+    layout = getattr(model, "hf_layout", lambda fqn, tensor: tensor)
+    return {hf: layout(fqn, params[fqn].detach()) for fqn, hf in model.hf_names().items()}
 
 
 def hf_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """What `save_hf_weights` writes: the model's `hf_tensors()` (transformers' tensors computed from
-    its parameters), else its parameters under transformers' names."""
-    return model.hf_tensors() if hasattr(model, "hf_tensors") else hf_state(model)
+    """What `save_hf_weights` writes: `hf_state`, and what transformers holds that the model lacks (`hf_missing()`)."""
+    return {**hf_state(model), **(model.hf_missing() if hasattr(model, "hf_missing") else {})}
 
 
 def init_from_errors(model: nn.Module, init_from: str) -> list[str]:
@@ -45,15 +48,10 @@ def init_from_errors(model: nn.Module, init_from: str) -> list[str]:
     directory, no safetensors, or a tensor the model lacks, misses or shapes otherwise (the first one)."""
     key = f"model.init_from={init_from!r}"
     if not hasattr(model, "hf_names"):
-        exported_only = hasattr(model, "hf_tensors")  # GPT: GPT-2's own checkpoints compute the tanh GELU
-        what = (
-            "is exported to Hugging Face's layout but does not read it"
-            if exported_only
-            else "has no Hugging Face layout to read weights into"
-        )
         return [
-            f"{key}: model {type(model).__name__} {what}. Fix: model=llama or model=hf (transformers' own class for "
-            "the checkpoint, GPT-2's included), or drop model.init_from."
+            f"{key}: model {type(model).__name__} has no Hugging Face layout to read weights into. Fix: model=gpt "
+            "(a GPT-2 checkpoint), model=llama or model=hf (transformers' own class for the checkpoint), or drop "
+            "model.init_from."
         ]
     path = os.path.expanduser(init_from)
     if not os.path.isdir(path):
@@ -77,6 +75,14 @@ def init_from_errors(model: nn.Module, init_from: str) -> list[str]:
         ]
     expected = {hf: tuple(p.shape) for hf, p in hf_state(model).items()}
     for name, shape in expected.items():
+        prefix, _, bare = name.partition(".")
+        if name not in saved and bare in saved:
+            return [
+                f"{key} holds tensor {bare!r} where the model needs {name!r}: a base model's names, without the "
+                f"{prefix!r} of transformers' causal LM class (as the Hugging Face Hub's gpt2 files are). Fix: write "
+                "it again as the causal LM, AutoModelForCausalLM.from_pretrained(<dir>).save_pretrained(<new dir>), "
+                "and point model.init_from at the new directory."
+            ]
         if name not in saved:
             return [
                 f"{key} has no tensor {name!r}, which the model needs (shape {list(shape)}): the checkpoint is of "
@@ -138,7 +144,7 @@ def save_hf_weights(model: nn.Module, out: Path, notes: dict[str, dict | bytes] 
     content, or the file's bytes). Written into a sibling directory and renamed, so `out` is whole or absent."""
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
-    state = {hf: t.full_tensor() if isinstance(t, DTensor) else t for hf, t in hf_tensors(model).items()}
+    state = {hf: (t.full_tensor() if isinstance(t, DTensor) else t).contiguous() for hf, t in hf_tensors(model).items()}
     dcp.save(state, storage_writer=dcp.HuggingFaceStorageWriter(str(partial)))
     for name, content in {"config.json": model.hf_config(), **(notes or {})}.items():
         data = content if isinstance(content, bytes) else (json.dumps(content, indent=2) + "\n").encode()

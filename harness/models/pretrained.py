@@ -4,10 +4,12 @@ it, and is written into the run's model keys before any rank starts, so the
 ranks build it and `.hydra/config.yaml` records it. Model keys given on the
 command line that contradict config.json are refused, naming both values.
 
-`model=llama` takes config.json's Llama keys (`Llama.keys_from_hf_config`);
-`model=hf` takes the directory as `model.config`, with only the
-`config_overrides` the command line gives. A resume takes the architecture
-from its checkpoint and does not read `init_from` at all.
+`model=gpt` takes config.json's GPT-2 keys (`gpt.keys_from_hf_config`: the
+GELU and the position table's rows included); `model=llama` takes its Llama
+keys (`llama.keys_from_hf_config`); `model=hf` takes the directory as
+`model.config`, with only the `config_overrides` the command line gives. A
+resume takes the architecture from its checkpoint and does not read
+`init_from` at all.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from harness.config import ConfigError
 
-LLAMA, HF = "harness.models.Llama", "harness.models.HFCausalLM"
+GPT, LLAMA, HF = "harness.models.GPT", "harness.models.Llama", "harness.models.HFCausalLM"
 
 
 def explicit_model_keys(overrides: list[str]) -> set[str]:
@@ -42,7 +44,7 @@ def adopt_init_from(model: DictConfig, explicit: set[str]) -> str | None:
     `validate` refuses). ConfigError naming key, values and fix for a config.json that cannot be had,
     describes another model, or contradicts a key given on the command line."""
     init_from, target = model.get("init_from"), model.get("_target_")
-    if init_from is None or target not in (LLAMA, HF):
+    if init_from is None or target not in (GPT, LLAMA, HF):
         return None
     key = "model.init_from"
     if not os.path.isdir(os.path.expanduser(init_from)):
@@ -87,6 +89,10 @@ def adopt_init_from(model: DictConfig, explicit: set[str]) -> str | None:
 
 def keys_for(model: DictConfig, hf, init_from: str) -> dict:
     """The model keys config.json `hf` sets for `model`'s class."""
+    if model._target_ == GPT:
+        from harness.models.gpt import keys_from_hf_config
+
+        return keys_from_hf_config(hf, init_from)
     if model._target_ == LLAMA:
         from harness.models.llama import keys_from_hf_config
 
