@@ -249,7 +249,7 @@ class ModelHarnessKeys:
 
     activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.none
     # a local Hugging Face checkpoint directory (safetensors) to start from, read through DCP;
-    # models with Hugging Face's layout only (llama, hf): docs/models.md
+    # models with Hugging Face's layout only (gpt, llama, hf): docs/models.md
     init_from: Optional[str] = None
     RESUME: ClassVar[Dict[str, Resume]] = {
         "activation_checkpointing": Resume(OnResume.honoured, "recomputing changes no parameter"),

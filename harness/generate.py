@@ -92,7 +92,7 @@ def generate(model_dir: Path, prompt: str, max_new_tokens: int, temperature: flo
         room = f"max_new_tokens={positions - length}" if length < positions else "a shorter prompt"
         raise ConfigError(
             f"the prompt ({length} tokens) and max_new_tokens={max_new_tokens} run past the model's {positions} "
-            f"positions (a GPT's: the run's train.seq_len). Fix: {room}."
+            f"positions (a GPT's: its model.n_positions, by default the run's train.seq_len). Fix: {room}."
         )
     sample = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else {}
     torch.manual_seed(seed)

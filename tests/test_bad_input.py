@@ -467,7 +467,7 @@ COMPOSITION = [
         ["model.foo=1"],
         "harness: model.foo=1: 'model' (GPTConf) has no key 'foo'. "
         "Fix: one of the keys of model: activation_checkpointing, init_from, _target_, n_layer, n_head, d_model, "
-        "vocab_size, bias, tie_embeddings, dropout.",
+        "vocab_size, bias, tie_embeddings, activation, n_positions, dropout.",
     ),
     (["train.steps=abc"], "harness: train.steps=abc: train.steps takes an integer. Fix: train.steps=200, for example."),
     (  # OmegaConf takes any integer for a bool: 2 was true

@@ -38,8 +38,9 @@ RNG_FILE = "rng.pt"
 # model configs in meta.json before components were chosen by `_target_`
 LEGACY_MODEL_NAMES = {"gpt": "harness.models.GPT", "mlp": "harness.models.TokenMLP"}
 # model keys added since, with what every model saved before the key existed had: a GPT had biases
-# and an untied head (its own `head.weight`) before model.bias and model.tie_embeddings
-LEGACY_MODEL_KEYS = {"harness.models.GPT": {"bias": True, "tie_embeddings": False}}
+# and an untied head (its own `head.weight`) before model.bias and model.tie_embeddings, and exact
+# GELU before model.activation (model.n_positions: null, train.seq_len's rows, as before it existed)
+LEGACY_MODEL_KEYS = {"harness.models.GPT": {"bias": True, "tie_embeddings": False, "activation": "gelu"}}
 
 
 class CheckpointError(RuntimeError):
