@@ -280,7 +280,8 @@ def test_generate_continues_with_an_exported_gpt_as_the_harness_gpt_would(tmp_pa
     assert main([str(tmp_path / "out"), "prompt=alpha beta"]) == 2  # 64 new tokens by default
     prompt = len(tokenizer.encode("alpha beta").ids)
     expected = (
-        f"run past the model's 16 positions (a GPT's: its model.n_positions, by default the run's train.seq_len). Fix: max_new_tokens={16 - prompt}."
+        "run past the model's 16 positions (a GPT's: its model.n_positions, by default the run's train.seq_len). "
+        f"Fix: max_new_tokens={16 - prompt}."
     )
     assert expected in capsys.readouterr().err
 
