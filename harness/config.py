@@ -554,8 +554,19 @@ class PaceConf:
 
     balance: Balance = Balance.steps  # time: local steps balanced by each replica's measured speed
     period_schedule: PeriodSchedule = PeriodSchedule.fixed  # adacomm: the period follows the training loss
-    min_period: int = 1  # adacomm never shortens the period below this
-    RESUME: ClassVar[Dict[str, Resume]] = dict.fromkeys(("balance", "period_schedule", "min_period"), PLAN)
+    min_period: int = 1  # adacomm and period=auto never take a period below this
+    # period=auto: the longest period it may take (a replica's drift grows with it; DiLoCo's paper goes to 500)
+    max_period: int = 64
+    # period=auto: the share of wall time exchanges may hold training up (docs/configuration.md#choosing-a-period)
+    comm_budget: float = 0.1
+    RESUME: ClassVar[Dict[str, Resume]] = {
+        **dict.fromkeys(("balance", "period_schedule", "min_period", "max_period"), PLAN),
+        "comm_budget": Resume(
+            OnResume.replanned,
+            "the period under way planned again from its start with the new budget and the saved measurements "
+            "(a replica past its new share takes one more step, then the exchange)",
+        ),
+    }
 
 
 @dataclass
@@ -573,7 +584,10 @@ class NoAveragerConf:
 @dataclass
 class PeriodicAveragerConf(PaceConf):
     _target_: str = "harness.averaging.ReplicaAverager"
-    period: int = 4  # average parameters across replicas every `period` steps ...
+    # average parameters across replicas every `period` steps (auto: chosen at each exchange from what
+    # exchanges cost, within averager.comm_budget) ...
+    period: Any = 4
+    INTEGER_OR: ClassVar[Dict[str, str]] = {"period": "auto"}  # a key typed Any: an integer, or this word
     warmup_steps: int = 10  # ... after this many fully synchronous steps
     comm_dtype: CommDType = CommDType.float32  # dtype the averaged tensors cross replicas in
     RESUME: ClassVar[Dict[str, Resume]] = {
@@ -595,6 +609,15 @@ class HierarchicalAveragerConf(PaceConf):
     period_group_size: List[List[int]] = field(default_factory=lambda: [[2, 2], [8, 4]])
     warmup_steps: int = 10
     comm_dtype: CommDType = CommDType.float32
+    # the keys of the other averagers it has no use for, and why
+    NOT_TAKEN: ClassVar[Dict[str, str]] = {
+        "period": (
+            "averager=hierarchical averages at the periods of averager.period_group_size, one per level, so it has "
+            "no averager.period, and period=auto is not built for it (each level's exchanges cross links of their "
+            "own, which one budget cannot speak for). Fix: averager=periodic averager.period=auto (or diloco), or "
+            "periods in averager.period_group_size."
+        )
+    }
     RESUME: ClassVar[Dict[str, Resume]] = {
         "_target_": AVERAGER,
         "period_group_size": PLAN,
@@ -610,7 +633,8 @@ class DiLoCoAveragerConf(PaceConf):
     (arXiv 2501.18512) spread that sync over the period."""
 
     _target_: str = "harness.averaging.DiLoCoAverager"
-    period: int = 16
+    period: Any = 16  # local steps between syncs of the same fragment; auto: as ReplicaAverager's
+    INTEGER_OR: ClassVar[Dict[str, str]] = {"period": "auto"}
     warmup_steps: int = 10
     comm_dtype: CommDType = CommDType.float32  # dtype the pseudo-gradients cross replicas in
     fragments: int = 1  # parts of the model synced at their own offsets inside the period

@@ -33,6 +33,7 @@ from harness.sharding import (
     one_device_replica,
     resolve_dtype,
 )
+from harness.slowdown import exchange_delay_s
 
 BUCKET_BYTES = 25 * 2**20  # a replica of one device's gradient buckets across replicas (DDP's default)
 
@@ -134,6 +135,7 @@ def build_job(cfg: DictConfig, env: DistEnv, plan: RunPlan, link: ReplicaLink | 
         samples_per_step=cfg.train.batch_size * cfg.train.grad_accum * plan.shard,  # one replica's, per local step
         device=env.device,
         sum_over_replicas=link.sum_over_replicas if link is not None else None,
+        exchange_delay_s=exchange_delay_s(),  # tests and benches only
     )
     optimizer, cross_replica = setup_cross_replica(
         model, optimizer, mesh, cfg.averager, clock, plan.averaging, link, reduction

@@ -144,7 +144,22 @@ AVERAGER_OUTER_LR = Metric("averager/outer_lr", "", SYNC + " (DiLoCo)", "the out
 AVERAGER_FRAGMENT = Metric(
     "averager/fragment", "", SYNC + " (DiLoCo)", "the fragment synced (0 without `averager.fragments`)"
 )
-EXCHANGE = "exchanges, with `averager.balance=time` or `averager.period_schedule=adacomm`"
+EXCHANGE = "exchanges, with `averager.balance=time`, `averager.period_schedule=adacomm` or `averager.period=auto`"
+AUTO_EXCHANGE = "exchanges, with `averager.period=auto`"
+AVERAGER_EXCHANGE_TIME = Metric(
+    "averager/exchange_s",
+    "s",
+    AUTO_EXCHANGE,
+    "the time an exchange holds training up, smoothed over exchanges (what a DiLoCo delay hides left out; under "
+    "fault tolerance its quorum in): what auto chooses the next period from",
+)
+AVERAGER_EXCHANGE_SHARE = Metric(
+    "averager/exchange_share",
+    "",
+    AUTO_EXCHANGE,
+    "the share of the wall time exchanges took over the period this exchange ends, from the smoothed exchange and "
+    "step times: auto keeps it within `averager.comm_budget`",
+)
 AVERAGER_PERIOD = Metric(
     "averager/period",
     "steps",

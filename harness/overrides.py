@@ -229,6 +229,9 @@ def _unknown_key(cause: OmegaConfBaseException, bad: Override | None) -> str:
     other_keys = getattr(cause.object_type, "OTHER_KEYS", None)  # a schema that takes no keys says why
     if other_keys is not None:
         return f"harness: {given}: {other_keys.format(key=full_key)}"
+    not_taken = getattr(cause.object_type, "NOT_TAKEN", {}).get(key)  # ... or one that lacks a sibling's key
+    if not_taken is not None:
+        return f"harness: {given}: {not_taken}"
     if typo is not None:
         fixed = f"{path}.{typo}" if path else typo
         fix = f"{fixed}{rest}={value} (the closest key)"
@@ -285,7 +288,8 @@ TRUTH = {"true", "false", "yes", "no", "on", "off", "1", "0"}  # what a true/fal
 
 def _truth_errors(cfg: DictConfig, overrides: list[Override]) -> list[str]:
     """Overrides of a true/false key with another value: OmegaConf's BooleanNode takes any integer (2 is
-    true) and Hydra composes it without a word."""
+    true) and Hydra composes it without a word; and of a key that takes an integer or a word (its schema's
+    `INTEGER_OR`, typed Any) with anything else."""
     errors = []
     for o in overrides:
         if o.is_hydra_override() or o.value() is None or "=" not in o.input_line:
@@ -294,9 +298,18 @@ def _truth_errors(cfg: DictConfig, overrides: list[Override]) -> list[str]:
         parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
         node = parent._get_node(name) if isinstance(parent, DictConfig) and name in parent else None
         value = o.input_line.split("=", 1)[1].strip()
+        key = o.key_or_group
         if isinstance(node, BooleanNode) and value.lower() not in TRUTH:
-            key = o.key_or_group
             errors.append(f"harness: {o.input_line}: {key} takes true or false. Fix: {key}=true or {key}=false.")
+        schema = OmegaConf.get_type(parent) if node is not None else None
+        word = getattr(schema, "INTEGER_OR", {}).get(name)
+        number = isinstance(o.value(), int) and not isinstance(o.value(), bool)
+        if word is not None and not number and value != word:  # a key typed Any to take its word too
+            default = schema.__dataclass_fields__[name].default
+            errors.append(
+                f"harness: {o.input_line}: {key} takes an integer or {word}. Fix: {key}={default} (the default), or "
+                f"{key}={word}."
+            )
     return errors
 
 

@@ -1,5 +1,6 @@
-"""A test-only knob, never a config key: replicas made slower, to measure
-`averager.balance=time` on a machine whose replicas are equally fast.
+"""Test-only knobs, never config keys: replicas made slower, to measure
+`averager.balance=time` on a machine whose replicas are equally fast, and a
+slower link, to watch `averager.period=auto` follow it.
 
 `HARNESS_TEST_SLOWDOWN="1:2"` (replica:factor, comma-separated) makes each rank
 of replica 1 sleep, every local step, for (factor − 1) × the time its own
@@ -9,6 +10,10 @@ gradient exchange, which a slower device would not stretch): a device `factor` t
 instead: devices of one fixed speed, which the load of a shared host cannot
 tell apart (a test's equal replicas). The tests and `bench/uneven.py` set it; a
 user never needs to.
+
+`HARNESS_TEST_EXCHANGE_DELAY=0.2` (seconds) makes every rank sleep 0.2 s at each
+exchange of all replicas, after the figures every replica sends and before the
+exchange's collectives: a link that much slower, simulated.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ import torch
 from harness.dist import synchronize
 
 ENV = "HARNESS_TEST_SLOWDOWN"
+# a slower link: every rank sleeps this many seconds at each exchange of all replicas, inside the time the exchange
+# holds training up (as a link that slow would: what `averager.period=auto` measures)
+EXCHANGE_DELAY_ENV = "HARNESS_TEST_EXCHANGE_DELAY"
 
 
 class Slowdown:
@@ -103,3 +111,29 @@ def slowdown_for(replica: int) -> Slowdown | None:
     if slowdown is None or (slowdown.factor is not None and slowdown.factor == 1):
         return None
     return slowdown
+
+
+def exchange_delay_errors(averages: bool) -> list[str]:
+    """`HARNESS_TEST_EXCHANGE_DELAY` checked before any rank starts: seconds, a finite number >= 0, in a run with
+    exchanges (`averages`: an averager over several replicas)."""
+    value = os.environ.get(EXCHANGE_DELAY_ENV)
+    if value is None:
+        return []
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    knob = f"{EXCHANGE_DELAY_ENV}={value!r} (a test knob that slows each exchange, harness/slowdown.py)"
+    if not math.isfinite(seconds) or seconds < 0:
+        return [f"{knob} takes seconds, a finite number >= 0. Fix: e.g. {EXCHANGE_DELAY_ENV}=0.2, or unset it."]
+    if not averages:
+        return [
+            f"{knob} delays exchanges of all replicas, and this run has none (no averager, or one replica). Fix: "
+            f"unset {EXCHANGE_DELAY_ENV}, or an averager over several replicas (averager=periodic)."
+        ]
+    return []
+
+
+def exchange_delay_s() -> float:
+    """Each exchange's delay from `HARNESS_TEST_EXCHANGE_DELAY` (checked by `exchange_delay_errors`), or 0."""
+    return float(os.environ.get(EXCHANGE_DELAY_ENV, 0))

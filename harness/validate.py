@@ -327,6 +327,7 @@ def _check_sharding_and_averager(cfg: DictConfig, world_size: int, local_world_s
     errors += fault_tolerance.config_errors(cfg, replicate) + slowdown.config_errors(
         replicate, averager_configured(cfg)
     )
+    errors += slowdown.exchange_delay_errors(averager_configured(cfg) and replicate >= 2)
     if not averager_configured(cfg):
         return errors
     # the clock asks an averager class its `schedule`, the loop its `before_step`: a ReplicaAverager's

@@ -46,7 +46,11 @@ def snapshot(root: Path) -> dict:
 # test's tmp dir, {run} the run dir.
 CASES = [
     ("typo", ["train.stepz=3"], ["train.stepz=3", "Fix: train.steps=3 (the closest key)"]),
-    ("sweep value", ["-m", "averager.period=2,x"], ["harness: averager.period=x: averager.period takes an integer."]),
+    (
+        "sweep value",
+        ["-m", "averager.period=2,x"],
+        ["harness: averager.period=x: averager.period takes an integer or auto."],
+    ),
     ("zero lr", ["optimizer.lr=0"], ["optimizer.lr=0", "Fix:"]),
     ("averaging with one replica", ["sharding=full_shard"], ["averages parameters across", "Fix: sharding=no_shard"]),
     (
@@ -111,7 +115,8 @@ ADACOMM = "averager.period_schedule=adacomm"
 # `settle_config`: what train.py runs on the composed config before any rank starts.
 # An override `HARNESS_TEST_SLOWDOWN=...` sets that environment variable instead.
 SLOWDOWN, FLOAT8_EMULATE = "HARNESS_TEST_SLOWDOWN=", "HARNESS_TEST_FLOAT8_EMULATE="
-KNOBS = (SLOWDOWN, FLOAT8_EMULATE)
+EXCHANGE_DELAY = "HARNESS_TEST_EXCHANGE_DELAY="
+KNOBS = (SLOWDOWN, FLOAT8_EMULATE, EXCHANGE_DELAY)
 SETTLED = [
     ("plus unknown key", ["+averager.perod=4"], ["Unknown config key 'averager.perod'", "Fix: averager.period=4"]),
     ("negative steps", ["train.steps=-5"], ["train.steps=-5", "Fix:"]),
@@ -317,6 +322,47 @@ SETTLED = [
         ["averager=none", f"{SLOWDOWN}1:3"],
         ["this run trains synchronously (averager=none): it would slow nothing", "Fix: unset HARNESS_TEST_SLOWDOWN"],
     ),
+    # averager.period=auto (harness/averaging/config_rules.py _auto_errors)
+    (
+        "period a word",
+        ["averager.period=often"],
+        ["averager.period='often' is out of range: it must be an integer >= 1, or auto", "averager.period=auto"],
+    ),
+    (
+        "comm budget out of range",
+        ["averager.period=auto", "averager.comm_budget=1.5"],
+        ["averager.comm_budget=1.5 is out of range", "Fix: averager.comm_budget=0.1"],
+    ),
+    (
+        "comm budget without auto",
+        ["averager.comm_budget=0.2"],
+        ["averager.comm_budget=0.2 without averager.period=auto has no effect", "Fix: averager.period=auto"],
+    ),
+    (
+        "auto and adacomm",
+        ["averager.period=auto", "averager.period_schedule=adacomm"],
+        ["averager.period=auto with averager.period_schedule=adacomm", "Fix: averager.period_schedule=fixed"],
+    ),
+    (
+        "auto's bounds crossed",
+        ["averager.period=auto", "averager.min_period=8", "averager.max_period=4"],
+        ["averager.min_period=8 is above averager.max_period=4", "Fix: averager.min_period between 1 and 4"],
+    ),
+    (
+        "auto's longest not a period of the fragments",
+        ["averager=diloco", "averager.period=auto", "averager.fragments=3", "averager.max_period=64"],
+        ["averager.fragments=3 does not divide averager.max_period=64"],
+    ),
+    (
+        "exchange delay negative",
+        [f"{EXCHANGE_DELAY}-1"],
+        ["HARNESS_TEST_EXCHANGE_DELAY='-1' (a test knob", "takes seconds", "Fix:"],
+    ),
+    (
+        "exchange delay without exchanges",
+        ["averager=none", f"{EXCHANGE_DELAY}0.2"],
+        ["this run has none (no averager, or one replica)", "Fix: unset HARNESS_TEST_EXCHANGE_DELAY"],
+    ),
     (  # ignored: only 1 emulates
         "float8 emulation spelled true",
         [f"{FLOAT8_EMULATE}true"],
@@ -516,7 +562,14 @@ COMPOSITION = [
         "none|full|selective. Fix: model.activation_checkpointing=full (the closest value)",
     ),
     (["train.steps"], "harness: the override 'train.steps' cannot be parsed (missing EQUAL at '<EOF>')."),
-    (["-m", "averager.period=2,4,x"], "harness: averager.period=x: averager.period takes an integer."),
+    (
+        ["-m", "averager.warmup_steps=2,4,x"],
+        "harness: averager.warmup_steps=x: averager.warmup_steps takes an integer.",
+    ),
+    (  # its fix was "averager.min_period=auto (the closest key)"
+        ["averager=hierarchical", "averager.period=auto"],
+        "harness: averager.period=auto: averager=hierarchical averages at the periods of averager.period_group_size",
+    ),
     (
         ["-m", "averager=periodic,none", "averager.period=8"],
         "harness: in the sweep's job with averager=none: averager.period=8: averager=none trains synchronously "

@@ -109,6 +109,10 @@ BAD_ARGUMENTS = [
     ("in_backward.py", ["--steps", "2", "--skip", "2"], ["--steps 2 must be above --skip 2"]),
     ("launch_hangs.py", ["--seconds", "0"], ["argument --seconds: must be a finite number > 0, got '0'"]),
     ("models.py", ["--steps", "x"], ["argument --steps: must be an integer >= 1, got 'x'"]),
+    ("period.py", ["--seeds", "0"], ["argument --seeds: must be an integer >= 1, got '0'"]),
+    ("period.py", ["--periods", "4,0"], ["argument --periods: must be comma-separated integers, each >= 1"]),
+    ("period.py", ["--steps", "10"], ["--steps 10 must be above --warmup 10"]),
+    ("period.py", ["--part", "wan"], ["--part wan: choose from loopback,link"]),
 ]
 
 

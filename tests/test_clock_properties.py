@@ -1,7 +1,8 @@
 """Model-based tests of the run's clock and the averagers' schedules, without processes (Hypothesis).
 
 A drawn schedule (averager, period, fragments, `sync_delay`, hierarchical levels, `balance` with replica
-speeds, `adacomm` with a loss curve that may start non-finite, warmup, `train.steps`) runs on real `Clock`s,
+speeds, `adacomm` with a loss curve that may start non-finite, `period=auto` with a budget and a link whose
+exchanges take a drawn time, warmup, `train.steps`) runs on real `Clock`s,
 one per replica, each in a thread of its own that does what the loop and the averagers do with each tick
 (`ReplicaModel`). What crosses replicas goes through `Collectives`: each op pairs with the same op of the
 other members of its group, in order, and a member that waits elsewhere or has ended is a hang, found at
@@ -16,7 +17,9 @@ changed that its resume rule allows, and runs on. Checked, over both runs:
 - every DiLoCo sync started is applied once, before the next of its replica starts, with a local step in
   its pseudo-gradient on every replica;
 - DiLoCo's outer copy is set from the parameters once warmup is over, before the first local step;
-- each logged `averager/period` is the period taken (its longest replica's steps, times the fragments);
+- each logged `averager/period` is the period taken (its longest replica's steps, times the fragments), the
+  same on every replica, and under `period=auto` never above `max_period`;
+- a resume with nothing changed plans the period under way as the saved run had it;
 - F₀ is finite once any step's loss was;
 - the run ends with one model: each replica's last step is an exchange of every fragment, its syncs applied.
 """
@@ -163,6 +166,7 @@ class Scenario:
     steps: int
     loss: tuple[int, float, float]  # (steps whose loss is non-finite first, that value, the curve's scale)
     save_at: int  # the first meeting at or past this global step saves
+    link: float = 0.0  # the time each exchange holds every replica up, past the figures (period=auto measures it)
 
     def loss_at(self, step: int) -> float:
         """The training loss of the step after global step `step`, the same on every replica: non-finite
@@ -198,6 +202,7 @@ class Run:
             )
             for r in range(n)
         ]
+        self.resumed = saved is not None
         self.anchor = (0, 0)  # (samples, the clock's replica steps) the data position counts from
         self.saved: dict | None = None
         self.since_apply: list[list[int]] = [[] for _ in range(n)]  # at the save
@@ -277,6 +282,7 @@ class Run:
                 self._diloco(r, tick)
             elif tick.exchange is not None:  # ReplicaAverager
                 exchange = clock.exchange()
+                model.time += s.link
                 total, _ = self.meet(r, everyone, f"exchange {tick.exchange}", _weights(exchange.scales))
                 _check_mean(total, s.replicas, f"the exchange at step {tick.step}")
                 clock.exchanged(True)
@@ -302,6 +308,7 @@ class Run:
                     "unapplied"
                 )
             exchange = clock.exchange(skip_untrained=True)  # averager.mix 0, the default
+            model.time += self.scenario.link
             synced = sorted(exchange.scales)
             held = torch.tensor([float(model.since_apply[f] > 0) for f in synced], dtype=torch.float64)
             total, _ = self.meet(
@@ -347,7 +354,7 @@ class Run:
         model.saved_at = len(model.ticks)
         self.since_apply[r] = list(model.since_apply)
         if r == 0:  # rank 0 writes meta.json
-            self.saved = {**state, "samples": self.anchor[0] + clock.consumed() - self.anchor[1]}
+            self.saved = {**state, "samples": self.anchor[0] + clock.consumed() - self.anchor[1], "plan": clock.plan}
 
 
 def _weight(scale: float | None) -> torch.Tensor:
@@ -391,9 +398,13 @@ def check_run(run: Run) -> None:
         seen = [s.loss_at(t.before) for t in ticks]
         if schedule.period_schedule == "adacomm" and any(math.isfinite(x) for x in seen) and model.rows:
             assert clock.first_loss is not None and math.isfinite(clock.first_loss), f"F0 = {clock.first_loss}"
-        for row in model.rows:
+        for i, row in enumerate(model.rows):
             taken = max(v for k, v in row.items() if k.startswith("replica/local_steps/"))
             assert row[metrics.AVERAGER_PERIOD] == taken * schedule.fragments, row
+            if schedule.period_schedule == "auto" and (i or not run.resumed):  # a resume's first: the saved plan's
+                assert row[metrics.AVERAGER_PERIOD] <= schedule.period, (row, schedule.period)
+    periods = [[row[metrics.AVERAGER_PERIOD] for row in model.rows] for model in run.models]
+    assert all(p == periods[0] for p in periods), f"the replicas logged different periods: {periods}"
 
 
 def samples_read(run: Run, upto: bool = False) -> list[int]:
@@ -418,6 +429,7 @@ def _first_gap(samples: list[int]) -> str:
 # -- the drawn schedules ------------------------------------------------------------------------------
 
 SPEEDS = [1.0, 1.0, 1.1, 1.5, 2.0, 3.0, 6.0]
+LINKS = [0.0, 0.5, 4.0, 40.0]  # an exchange's time, in the speeds' units
 NAN = float("nan")
 
 
@@ -435,8 +447,12 @@ def averager_keys(draw, kind: str, replicas: int, keep: dict | None = None) -> d
     keys["period"] = fragments * stride
     if kind == "diloco":
         keys.update(fragments=fragments, sync_delay=draw(st.integers(0, stride - 1)))
-    if stride > keys.get("sync_delay", 0) + 1 and draw(st.booleans()):  # else refused: nothing to shorten
+    schedule = draw(st.sampled_from(["fixed", "adacomm", "auto"]))
+    if schedule == "adacomm" and stride > keys.get("sync_delay", 0) + 1:  # else refused: nothing to shorten
         keys.update(period_schedule="adacomm", min_period=draw(st.integers(1, keys["period"])))
+    elif schedule == "auto":  # the drawn period is its longest
+        keys.update(period="auto", max_period=keys["period"], min_period=draw(st.integers(1, keys["period"])))
+        keys["comm_budget"] = draw(st.sampled_from([0.02, 0.1, 0.5]))
     return {**keys, **keep}
 
 
@@ -449,7 +465,8 @@ def scenarios(draw) -> Scenario:
     loss = (draw(st.integers(0, 3)), draw(st.sampled_from([NAN, math.inf])), draw(st.floats(0.5, 4.0)))
     speeds = draw(st.lists(st.sampled_from(SPEEDS), min_size=replicas, max_size=replicas))
     save_at = draw(st.one_of(st.just(steps), st.integers(1, steps)))  # the run's end, often: its period is cut
-    return Scenario(kind, averager, replicas, speeds, steps, loss, save_at)
+    link = draw(st.sampled_from(LINKS))
+    return Scenario(kind, averager, replicas, speeds, steps, loss, save_at, link)
 
 
 def changed(draw, s: Scenario, saved: dict) -> Scenario:
@@ -468,7 +485,8 @@ def changed(draw, s: Scenario, saved: dict) -> Scenario:
         replicas = draw(st.integers(2, 4))
     speeds = draw(st.lists(st.sampled_from(SPEEDS), min_size=replicas, max_size=replicas))
     steps = draw(st.sampled_from([s.steps, step + 1, s.steps + draw(st.integers(1, 30))]))
-    return Scenario(s.kind, averager, replicas, speeds, max(steps, step + 1), s.loss, 10**6)
+    link = draw(st.sampled_from([s.link, *LINKS]))  # the same link, or another
+    return Scenario(s.kind, averager, replicas, speeds, max(steps, step + 1), s.loss, 10**6, link)
 
 
 def resume_keeps_the_clock_promises(scenario: Scenario, data) -> None:
@@ -487,7 +505,12 @@ def resume_keeps_the_clock_promises(scenario: Scenario, data) -> None:
 def resumed(first: Run, after: Scenario) -> None:
     """`first`'s save, resumed as `after`: that run and the two together keep the promises."""
     saved = {**first.saved, "since_apply": first.since_apply}
-    second = Run(after, saved).run()
+    second = Run(after, saved)
+    s = first.scenario
+    if (after.kind, after.averager, after.replicas, after.steps) == (s.kind, s.averager, s.replicas, s.steps):
+        for clock in second.clocks:  # nothing changed: the period under way as it was planned
+            assert clock.plan == first.saved["plan"], (clock.plan, first.saved["plan"])
+    second.run()
     check_run(second)
     check_data(samples_read(first, upto=True) + samples_read(second))
 

@@ -80,7 +80,7 @@ def test_mission_configs_are_valid():
     "overrides,error",
     [
         (["averager.perod=4"], "Key 'perod' not in 'PeriodicAveragerConf'"),
-        (["averager.period=abc"], "could not be converted to Integer"),
+        (["averager.warmup_steps=abc"], "could not be converted to Integer"),
         (["train.stepz=3"], "Key 'stepz' not in 'TrainConf'"),
         (["optimizer=sgdd"], "Could not find 'optimizer/sgdd'"),
         (["checkpoint=sharded", "checkpoint.async=maybe"], "Value 'maybe' is not a valid bool"),

@@ -11,6 +11,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from harness.components import target_class
+from harness.config import PaceConf
 from harness.models import build_model
 from harness.optim import HARNESS_KEYS
 
@@ -26,25 +27,51 @@ def periodic_errors(cfg: DictConfig, replicas: int) -> list[str]:
     return _period_errors(avg) + _warmup_errors(avg) + _comm_dtype_errors(avg) + pace_errors(cfg)
 
 
+AUTO = "auto"
+
+
+def is_auto(avg: DictConfig) -> bool:
+    return str(avg.get("period")) == AUTO
+
+
+def period_of(avg: DictConfig) -> tuple[str, int]:
+    """The key and value the period rules read: `averager.period`, or under `period=auto` `averager.max_period`
+    (the longest it may take); (key, 0) where it is not a number (`_period_errors` says why)."""
+    key = "max_period" if is_auto(avg) else "period"
+    value = avg.get(key, 0)
+    return f"averager.{key}", value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
 def varies(avg: DictConfig) -> str | None:
     """The override that makes local steps vary between replicas or periods (the clock plans them), or None."""
     if str(avg.get("balance", "steps")) != "steps":
         return f"averager.balance={avg.balance}"
     if str(avg.get("period_schedule", "fixed")) != "fixed":
         return f"averager.period_schedule={avg.period_schedule}"
+    if is_auto(avg):
+        return "averager.period=auto"
     return None
 
 
 def pace_errors(cfg: DictConfig) -> list[str]:
-    """`averager.balance`, `averager.period_schedule` and `averager.min_period` (harness/clock)."""
+    """`averager.balance`, `averager.period_schedule`, `averager.min_period` and `period=auto`'s keys
+    (harness/clock)."""
     avg, errors = cfg.averager, []
+    key, period = period_of(avg)
+    errors += _auto_errors(avg)
     if avg.get("min_period", 1) < 1:
         errors.append(
             f"averager.min_period={avg.min_period} is out of range: it must be >= 1. Fix: averager.min_period=1."
         )
-    elif avg.get("min_period", 1) != 1 and str(avg.get("period_schedule", "fixed")) == "fixed":
+    elif avg.get("min_period", 1) != 1 and str(avg.get("period_schedule", "fixed")) == "fixed" and not is_auto(avg):
         errors += _min_period_without_adacomm(avg)
-    elif "period" in avg and avg.period >= 1 and avg.get("min_period", 1) > avg.period:
+    elif is_auto(avg) and period >= 1 and avg.get("min_period", 1) > period:
+        errors.append(
+            f"averager.min_period={avg.min_period} is above averager.max_period={period}: period=auto chooses "
+            f"between them. Fix: averager.min_period between 1 and {period}, or averager.max_period="
+            f"{avg.min_period} or more."
+        )
+    elif "period" in avg and period >= 1 and avg.get("min_period", 1) > period:
         errors.append(
             f"averager.min_period={avg.min_period} is above averager.period={avg.period}: the period starts at "
             f"averager.period and adacomm only shortens it. Fix: averager.min_period between 1 and {avg.period}, "
@@ -61,7 +88,7 @@ def pace_errors(cfg: DictConfig) -> list[str]:
             "so this would be a fixed period. Fix: a longer starting period (e.g. averager.period=32; AdaComm "
             "starts long), or averager.period_schedule=fixed."
         )
-    delay, stride = avg.get("sync_delay", 0), avg.get("period", 0) // max(fragments, 1)
+    delay, stride = avg.get("sync_delay", 0), period // max(fragments, 1)
     if str(avg.get("period_schedule", "fixed")) == "adacomm" and delay and 1 < stride <= delay + 1:
         errors.append(
             f"averager.period_schedule=adacomm with averager.sync_delay={delay}: AdaComm never shortens a stride "
@@ -80,6 +107,41 @@ def pace_errors(cfg: DictConfig) -> list[str]:
             "averager.balance=time with sharding=ddp: DDP's reducer all-reduces its used-parameter map over every "
             "rank at every step, so the replicas wait for each other at each step and none can take more. Fix: "
             "sharding=no_shard (the same layout, one replica per rank, without DDP)."
+        )
+    return errors
+
+
+def _auto_errors(avg: DictConfig) -> list[str]:
+    """`averager.period=auto` and its keys `comm_budget` and `max_period`, which nothing else reads."""
+    errors, auto = [], is_auto(avg)
+    if not auto:
+        for key in ("comm_budget", "max_period"):
+            default = PaceConf.__dataclass_fields__[key].default
+            if key in avg and avg[key] != default:
+                errors.append(
+                    f"averager.{key}={avg[key]} without averager.period=auto has no effect: it bounds the period "
+                    f"auto chooses, and averager.period={avg.get('period')} is fixed. Fix: averager.period=auto, or "
+                    f"drop averager.{key}."
+                )
+        return errors
+    if str(avg.get("period_schedule", "fixed")) != "fixed":
+        errors.append(
+            f"averager.period=auto with averager.period_schedule={avg.period_schedule}: each chooses the period "
+            "(auto from what exchanges cost, AdaComm from the training loss), and a period has one owner. Fix: "
+            "averager.period_schedule=fixed, or a number for averager.period (AdaComm shortens from it)."
+        )
+    budget = avg.get("comm_budget")
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget < 1:
+        errors.append(
+            f"averager.comm_budget={budget!r} is out of range: it is the share of wall time exchanges may hold "
+            "training up, between 0 and 1 (0 would never exchange, 1 would exchange after every step at any "
+            "cost). Fix: averager.comm_budget=0.1 (the default: at most a tenth of the time)."
+        )
+    most = avg.get("max_period")
+    if isinstance(most, bool) or not isinstance(most, int) or most < 1:
+        errors.append(
+            f"averager.max_period={most!r} is out of range: it is the longest period auto may choose, an integer "
+            ">= 1. Fix: averager.max_period=64 (the default)."
         )
     return errors
 
@@ -180,13 +242,13 @@ def diloco_errors(cfg: DictConfig, replicas: int) -> list[str]:
                 f"Fix: averager.outer_optimizer.lr={default_outer_lr()} (the default)."
             )
     errors += _overlap_errors(avg)
-    f = avg.fragments
+    f, (key, period) = avg.fragments, period_of(avg)
     if f < 1:
         errors.append(f"averager.fragments={f} is out of range: it must be >= 1. Fix: averager.fragments=1.")
-    elif avg.period >= 1 and avg.period % f:
-        divisors = [d for d in range(1, avg.period + 1) if avg.period % d == 0]
+    elif period >= 1 and period % f:
+        divisors = [d for d in range(1, period + 1) if period % d == 0]
         errors.append(
-            f"averager.fragments={f} does not divide averager.period={avg.period}: fragments sync at offsets "
+            f"averager.fragments={f} does not divide {key}={period}: fragments sync at offsets "
             f"period/fragments apart. Fix: averager.fragments in {divisors}, or a period that is a multiple of {f}."
         )
     else:
@@ -197,20 +259,20 @@ def diloco_errors(cfg: DictConfig, replicas: int) -> list[str]:
         if f > max(blocks, 1):
             errors.append(
                 f"averager.fragments={f} exceeds the model's {blocks} blocks; a fragment is whole blocks. "
-                f"Fix: averager.fragments={max(d for d in range(1, max(blocks, 1) + 1) if avg.period % d == 0)}."
+                f"Fix: averager.fragments={max(d for d in range(1, max(blocks, 1) + 1) if period % d == 0)}."
             )
     return errors
 
 
 def _overlap_errors(avg: DictConfig) -> list[str]:
     """`sync_delay` fits between two fragment syncs (one sync in flight at a time); `mix` is a weight."""
-    errors = []
-    interval = avg.period // avg.fragments if avg.fragments >= 1 and avg.period >= 1 else None
+    errors, (key, period) = [], period_of(avg)
+    interval = period // avg.fragments if avg.fragments >= 1 and period >= 1 else None
     if avg.sync_delay < 0 or (interval is not None and avg.sync_delay >= interval):
         most = max(interval - 1, 0) if interval is not None else 0
         errors.append(
             f"averager.sync_delay={avg.sync_delay} is out of range: a sync must be applied before the next "
-            f"fragment's starts, {interval} local steps later (averager.period={avg.period} / "
+            f"fragment's starts, {interval} local steps later ({key}={period} / "
             f"averager.fragments={avg.fragments}). Fix: averager.sync_delay between 0 and {most}, or a longer "
             "period per fragment."
         )
@@ -223,10 +285,12 @@ def _overlap_errors(avg: DictConfig) -> list[str]:
 
 
 def _period_errors(cfg: DictConfig) -> list[str]:
-    if cfg.period >= 1:
+    period = cfg.period
+    if is_auto(cfg) or isinstance(period, int) and not isinstance(period, bool) and period >= 1:
         return []
     return [
-        f"averager.period={cfg.period} is out of range: it must be >= 1. Fix: averager.period=4 averages every 4 steps."
+        f"averager.period={period!r} is out of range: it must be an integer >= 1, or auto. Fix: averager.period=4 "
+        "averages every 4 steps; averager.period=auto chooses each period from what exchanges cost."
     ]
 
 

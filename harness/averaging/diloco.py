@@ -40,7 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from harness import metrics
 from harness.averaging import config_rules
-from harness.averaging.averagers import ReplicaAverager, pace_keys
+from harness.averaging.averagers import ReplicaAverager, pace_keys, period
 from harness.averaging.collectives import MeanInFlight, buckets, mean_over_group, start_mean_over_group
 from harness.averaging.link import ReplicaLink
 from harness.averaging.traffic import CrossReplicaTraffic
@@ -85,8 +85,8 @@ class DiLoCoAverager(ReplicaAverager):
         (the paper's Algorithm 1, torchft's `DiLoCo`), each applied `sync_delay` local steps after it starts."""
         return Schedule(
             warmup=cfg.warmup_steps,
-            period=cfg.period,
-            first=cfg.period // cfg.fragments,
+            period=period(cfg),
+            first=period(cfg) // cfg.fragments,
             fragments=cfg.fragments,
             sync_delay=cfg.sync_delay,
             **pace_keys(cfg),
@@ -112,7 +112,10 @@ class DiLoCoAverager(ReplicaAverager):
 
     def apply_delayed(self) -> None:
         fragments = self.outer.in_flight.fragments
-        if self.finish_sync(at_own_step=self.delayed):
+        start = time.perf_counter()
+        applied = self.finish_sync(at_own_step=self.delayed)
+        self.clock.held_up(time.perf_counter() - start)  # what the delay did not hide
+        if applied:
             for fragment in fragments:
                 self.clock.applied(fragment, delayed=True)
 
@@ -130,6 +133,7 @@ class DiLoCoAverager(ReplicaAverager):
             start = time.perf_counter()
             in_flight.advance()  # halfway: a narrow dtype's all-gather goes under the rest of the window
             in_flight.blocked_s += time.perf_counter() - start
+            self.clock.held_up(time.perf_counter() - start)
         if tick.exchange is not None:
             delayed = self.delayed and not tick.last
             scales = self.exchange().scales

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 import time
@@ -14,7 +15,9 @@ import torch.distributed as dist
 from harness import metrics
 from harness.clock.rules import (
     adacomm_period,
+    auto_period,
     balanced_local_steps,
+    exchange_share,
     fit_to_remaining,
     hierarchical_period,
     level_meeting,
@@ -23,6 +26,8 @@ from harness.clock.rules import (
 )
 from harness.clock.tick import Level, Schedule, Tick
 from harness.dist import synchronize
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -79,7 +84,8 @@ class Clock:
 
     Its checkpoint part holds inputs, never the plan: the progress (replica steps before the period
     under way, each replica's steps in it, exchanges so far, the steps each replica's tensors hold), the
-    measurements (each replica's step time, the first step's and the last exchange's mean loss). A resume
+    measurements (each replica's step time, the exposed exchange time, the first step's and the last exchange's
+    mean loss). A resume
     derives the plan again for the run it is in: exact when nothing changed, defined when something did
     (docs/configuration.md#changing-a-run-at-resume)."""
 
@@ -97,24 +103,28 @@ class Clock:
         sum_in_world: Callable[[torch.Tensor], None] = dist.all_reduce,
         now: Callable[[], float] = time.perf_counter,
         wall: Callable[[], float] = time.time,
+        exchange_delay_s: float = 0.0,
     ):
         """`steps`: train.steps; `replicas`: the run's (fault tolerance: the replica groups), `replica`:
         this rank's; `leads`: this rank writes its replica's figures (its first shard); `samples_per_step`:
         one replica's samples per local step; `sum_over_replicas`: completes a sum over this world across
         the replica groups it does not hold (fault tolerance), else None. `sum_in_world` sums a tensor over
         every rank of this world, `now` times steps and `wall` stamps arrivals: torch.distributed and the
-        host's clocks, which the clock's model-based tests replace by replicas of their own."""
+        host's clocks, which the clock's model-based tests replace by replicas of their own.
+        `exchange_delay_s`: each exchange held up that long on every rank, a slower link simulated (a test knob:
+        `HARNESS_TEST_EXCHANGE_DELAY`, harness/slowdown.py)."""
         self.schedule, self.steps, self.replicas, self.replica = schedule, steps, replicas, replica
         self.leads, self.samples_per_step, self.device = leads, samples_per_step, device
         self.sum_over_replicas = sum_over_replicas
-        self.sum_in_world, self.now, self.wall = sum_in_world, now, wall
+        self.sum_in_world, self.now, self.wall, self.exchange_delay_s = sum_in_world, now, wall, exchange_delay_s
         self.balances = str(schedule.balance) == "time"
         self.adapts = str(schedule.period_schedule) == "adacomm"
-        self.plans = self.balances or self.adapts  # exchanges share figures, and periods may change
+        self.auto = str(schedule.period_schedule) == "auto"
+        self.plans = self.balances or self.adapts or self.auto  # exchanges share figures, and periods may change
         fragments = schedule.fragments
-        self.stride = schedule.period // fragments  # local steps between two exchanges
-        # AdaComm's shortest: `min_period` in strides, and longer than DiLoCo's delay (a sync is applied before
-        # the next one starts, and its fragment trains a step after it before that)
+        self.stride = schedule.period // fragments  # local steps between two exchanges (auto: the most)
+        # AdaComm's and auto's shortest: `min_period` in strides, and longer than DiLoCo's delay (a sync is applied
+        # before the next one starts, and its fragment trains a step after it before that)
         self.min_stride = max(1, math.ceil(schedule.min_period / fragments), schedule.sync_delay + 1)
         # inputs (the checkpoint part): progress ...
         self.done = 0  # replica steps of the run before the period under way (in warmup: so far)
@@ -125,6 +135,7 @@ class Clock:
         self.held = [[0] * replicas for _ in range(fragments)]
         # ... and measurements
         self.step_times: list[float | None] = [None] * replicas  # smoothed, each replica's own steps
+        self.exchange_time: float | None = None  # smoothed: the time an exchange holds training up (auto)
         self.first_loss: float | None = None  # F₀: the ranks' mean loss at the run's first step (adacomm)
         self.first_loss_shared = sum_over_replicas is None  # F₀ is the mean over every replica group too
         self.exchange_loss: float | None = None  # F at the exchange that planned the period under way
@@ -137,6 +148,7 @@ class Clock:
         self.in_step = True  # every replica takes the period's steps at the same global steps (equal plans)
         self.anchor = (0, 0)  # (local steps, global step) where the period under way was entered
         self.entered: list[int] = [0] * replicas  # each replica's steps in the period under way when it was entered
+        self.chosen: int | None = None  # the stride auto last said it chose (this process's)
         self._replan()
         # this process's
         self.tick: Tick | None = None  # the step being taken
@@ -152,6 +164,8 @@ class Clock:
         self.staged: tuple | None = None  # an exchange's figures, until it commits
         self.counted = False  # the exchange ahead's steps are counted (`exchanged`)
         self.row: dict = {}  # the last committed exchange's figures, until its row takes them
+        self.exposed_s = 0.0  # time exchanges held this replica up since its figures were last shared (auto)
+        self.exchange_began: float | None = None  # when the exchange under way began, once every replica was there
 
     # -- where the run stands --------------------------------------------------------------------
 
@@ -383,7 +397,9 @@ class Clock:
             self.planned = self.plan = None
             self.cut = False
             return
-        stride = self.schedule.first if self.syncs == 0 else self._stride()
+        stride = self._stride()
+        if self.syncs == 0:  # the schedule's first (auto: no longer than what it would choose)
+            stride = min(self.schedule.first, stride) if self.auto else self.schedule.first
         if self.balances:
             self.planned = balanced_local_steps(stride, self.step_times)
         else:
@@ -396,10 +412,44 @@ class Clock:
         self.entered = list(positions or [0] * self.replicas)
 
     def _stride(self) -> int:
-        """The local steps between exchanges in force: AdaComm's from the last exchange's loss, else the schedule's."""
+        """The local steps between exchanges in force: AdaComm's from the last exchange's loss, auto's from what
+        exchanges cost, else the schedule's."""
         if self.adapts and self.exchange_loss is not None and self.first_loss is not None:
             return adacomm_period(self.exchange_loss, self.first_loss, self.stride, self.min_stride)
+        if self.auto:
+            step_s = self._period_step_time()
+            stride = auto_period(self.exchange_time, step_s, self.schedule.comm_budget, self.min_stride, self.stride)
+            # said when it moves by half or more from the period last said (a measurement's noise moves it by one)
+            if self.leads and self.replica == 0 and (self.chosen is None or not 2 / 3 < stride / self.chosen < 1.5):
+                log.info(self._why(stride, step_s))
+                self.chosen = stride
+            return stride
         return self.stride
+
+    def _period_step_time(self) -> float | None:
+        """The time of a period's local step, the one a period's wall time follows: the fastest replica's with
+        balance=time (the others take what fits in its time), else the slowest's (the others wait for it)."""
+        known = [t for t in self.step_times if t is not None]
+        if not known:
+            return None
+        return min(known) if self.balances else max(known)
+
+    def _why(self, stride: int, step_s: float | None) -> str:
+        """auto's log line: the period it chose, and why."""
+        f, budget = self.schedule.fragments, self.schedule.comm_budget
+        chose = f"averager.period=auto: period {stride * f}"
+        if self.exchange_time is None or step_s is None:
+            return f"{chose} (the shortest, averager.min_period) until an exchange and a period's steps are measured"
+        share = exchange_share(self.exchange_time, step_s, stride)
+        bound = ""
+        if stride == self.min_stride:
+            bound = ", the shortest it may take"
+        elif stride == self.stride:
+            bound = ", the longest it may take (averager.max_period)"
+        return (
+            f"{chose}{bound}: an exchange holds training up {self.exchange_time:.3g} s and a local step takes "
+            f"{step_s:.3g} s, so exchanges take {share:.1%} of the wall time (averager.comm_budget={budget:g})"
+        )
 
     # -- exchanges ---------------------------------------------------------------------------------
 
@@ -431,6 +481,10 @@ class Clock:
             completed = [int(k) for k in figures["completed"]]
             summed = torch.tensor(figures["carried"], dtype=torch.float64) if carried is not None else None
             staged = figures
+        if self.auto:  # every replica is here: from now the exchange holds each up, waiting for none
+            self.exchange_began = self.now()
+        if self.exchange_delay_s:
+            time.sleep(self.exchange_delay_s)
         members = [q for q in range(self.replicas) if completed[q] > 0]
         scales = {}
         for fragment in self._synced():
@@ -450,7 +504,9 @@ class Clock:
     def _share(self, carried: torch.Tensor | None) -> dict[str, list[float]]:
         now, mine, r, n = self.computed_at, self.taken + 1, self.replica, self.replicas
         extra = 0 if carried is None else carried.numel()
-        figures = Figures(self.device, step_time=n, arrival=n, completed=n, loss=2, first_loss=2, carried=extra)
+        figures = Figures(
+            self.device, step_time=n, arrival=n, completed=n, exchange_time=n, loss=2, first_loss=2, carried=extra
+        )
         if self.leads:  # one figure per replica; a step time of -1: restarted, take the peers' median
             if self.rejoined:
                 figures["step_time"][r] = -1.0
@@ -458,6 +514,7 @@ class Clock:
                 figures["step_time"][r] = (now - self.started - self.idle_s) / mine
             figures["arrival"][r] = self.arrived  # wall clock: comparable across hosts (to their clocks' sync)
             figures["completed"][r] = mine
+            figures["exchange_time"][r] = self.exposed_s  # the exchanges since the last share (0: not measured here)
         if self.adapts and self.loss is not None:
             figures["loss"][0] = self.loss.detach().to(torch.float64)
             figures["loss"][1] = 1.0
@@ -465,6 +522,7 @@ class Clock:
             figures["first_loss"][0], figures["first_loss"][1] = self.first_loss, 1.0
         if carried is not None:  # the sums are the averager's, on this stream: read below, after the sum
             figures["carried"].copy_(carried)
+        self.exposed_s = 0.0
         self.sum_in_world(figures.tensor)  # every rank of the world is at this exchange
         if self.sum_over_replicas is not None:
             self.sum_over_replicas(figures.tensor)  # and every replica group in the quorum (fault tolerance)
@@ -476,9 +534,20 @@ class Clock:
         replica counts as having taken its planned steps)."""
         completed, figures = self.staged
         self.staged = None
+        if self.auto and self.exchange_began is not None:  # the averagers end their exchange synchronized
+            self.exposed_s += self.now() - self.exchange_began
+            self.exchange_began = None
         self._count(completed if committed else list(self.plan))
         if figures is not None and committed:
             self._measured(figures, completed)
+
+    def held_up(self, seconds: float) -> None:
+        """An exchange held this replica up inside a period (a DiLoCo sync's second collective or the wait at its
+        apply: what its overlap did not hide; the quorum before an exchange, fault tolerance): not a step's
+        time, and under auto an exchange's cost."""
+        self.idle_s += seconds
+        if self.auto:
+            self.exposed_s += seconds
 
     def _count(self, completed: list[int]) -> None:
         """The period's local steps, each replica's, into what it trained and what its tensors hold."""
@@ -498,6 +567,13 @@ class Clock:
                 others = [x for p, x in enumerate(self.step_times) if p != q and x is not None]
                 self.step_times[q] = statistics.median(others) if others else None
         self.rejoined = False
+        exposed = [t for t in figures["exchange_time"] if t > 0]  # the least: the one that waited for no peer's link
+        if exposed:
+            self.exchange_time = smoothed(self.exchange_time, min(exposed))
+        step_s = self._period_step_time()
+        if self.auto and self.exchange_time is not None and step_s is not None:
+            self.row[metrics.AVERAGER_EXCHANGE_TIME] = self.exchange_time
+            self.row[metrics.AVERAGER_EXCHANGE_SHARE] = exchange_share(self.exchange_time, step_s, max(completed))
         latest = max(figures["arrival"])
         for q in (q for q in range(n) if completed[q]):
             name = str(q)
@@ -562,6 +638,7 @@ class Clock:
             "trained": list(self.trained),
             "held": [list(h) for h in self.held],
             "step_times": list(self.step_times),
+            "exchange_time": self.exchange_time,
             "first_loss": self.first_loss,
             "first_loss_shared": self.first_loss_shared,
             "exchange_loss": self.exchange_loss,
@@ -574,6 +651,7 @@ class Clock:
         count keeps the global step and starts the period under way afresh where the replicas were apart."""
         n, saved = self.replicas, state["replicas"]
         self.syncs, self.exchange_loss = state["syncs"], state["exchange_loss"]
+        self.exchange_time = state.get("exchange_time")  # absent before format 3: not measured yet
         self.first_loss = state["first_loss"]
         self.first_loss_shared = state["first_loss_shared"] or self.sum_over_replicas is None
         taken = list(state["taken"])

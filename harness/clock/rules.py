@@ -26,6 +26,22 @@ def adacomm_period(loss: float, first_loss: float, period: int, min_period: int)
     return max(min_period, min(period, math.ceil(math.sqrt(loss / first_loss) * period)))
 
 
+def auto_period(exchange_s: float | None, step_s: float | None, budget: float, shortest: int, longest: int) -> int:
+    """`period=auto`'s local steps between two exchanges: the fewest that keep an exchange that holds training
+    up for `exchange_s` within `budget` of the wall time, at `step_s` per local step; `shortest` until both are
+    measured (a short period measures the link soonest), and within [`shortest`, `longest`]."""
+    if exchange_s is None or step_s is None or step_s <= 0:
+        return shortest
+    steps = math.ceil(exchange_s * (1 - budget) / (budget * step_s) * (1 - 1e-12))  # ceil, not past a float's noise
+    return max(shortest, min(longest, steps))
+
+
+def exchange_share(exchange_s: float, step_s: float, steps: int) -> float:
+    """The share of the wall time an exchange that holds training up for `exchange_s` takes, every `steps` local
+    steps of `step_s` each."""
+    return exchange_s / (steps * step_s + exchange_s) if exchange_s > 0 else 0.0
+
+
 def balanced_local_steps(period: int, step_times: list[float | None]) -> list[int]:
     """Each replica's local steps for a period: the fastest takes `period`, the others as many as
     fit in its time (at least 1); `period` for all while a replica's time is unknown."""

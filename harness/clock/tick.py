@@ -19,8 +19,9 @@ class Schedule:
     sync_delay: int = 0  # DiLoCo: local steps from a sync's start to its apply
     levels: tuple[tuple[int, int], ...] = ()  # hierarchical: (period, replicas per group) of each level
     balance: str = "steps"  # time: each replica takes as many local steps as fit in the fastest's period
-    period_schedule: str = "fixed"  # adacomm: the period follows the training loss
-    min_period: int = 1  # adacomm never shortens the period below it
+    period_schedule: str = "fixed"  # adacomm: the period follows the training loss; auto: what exchanges cost
+    min_period: int = 1  # adacomm and auto never take a period below it (auto: `period` is its longest)
+    comm_budget: float = 0.1  # auto: the share of wall time exchanges may hold training up
 
 
 SYNCHRONOUS = Schedule(warmup=sys.maxsize)  # no averager: every step's gradients cross replicas

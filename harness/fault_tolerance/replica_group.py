@@ -72,7 +72,10 @@ class ReplicaGroup:
             clock.waiting()
         start = time.perf_counter()
         self._quorum(lambda: self.link.begin(tick.step) if self.joined else self._join(tick))
-        clock.waited(time.perf_counter() - start)
+        if tick.exchange is not None:  # the quorum is the exchange's, which it holds up
+            clock.held_up(time.perf_counter() - start)
+        else:
+            clock.waited(time.perf_counter() - start)
         self.joined = True
         if self.heals_sent == sent:  # no peer to heal: a heal sent at an earlier quorum has been received by now
             self.staging.release()
