@@ -55,6 +55,7 @@ is printed at the end.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shlex
 import signal
@@ -63,6 +64,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,7 +79,7 @@ from averaging import (
     tc_rate,
     wait_all,
 )
-from flags import at_least, file_to_write, integers
+from flags import at_least, directory, file_to_write, integers
 from uneven import Run, loss_at
 
 REPO = Path(__file__).resolve().parents[1]
@@ -387,6 +389,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eval-every", type=at_least(1), default=20, help="train.eval_every (and log_every)")
     parser.add_argument("--eval-batches", type=at_least(1), default=8, help="train.eval_batches")
     parser.add_argument("--no-auto", action="store_true", help="fixed periods only, even where auto exists")
+    parser.add_argument(
+        "--workdir",
+        type=directory,
+        default=None,
+        help="keep the runs' dirs in a new folder under it (default: deleted)",
+    )
     parser.add_argument("--plot", type=file_to_write, default=None, help="PNG: auto's period and the loss curves")
     parser.add_argument("--smoke", action="store_true", help=f"{SMOKE_HELP}: {' '.join(SMOKE + SMOKE_OVERRIDES)}")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
@@ -404,6 +412,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if len(set(args.periods)) != len(args.periods):
         parser.error(f"--periods {','.join(map(str, args.periods))}: each period once")
     return args
+
+
+@contextlib.contextmanager
+def keep_or_delete(under: Path | None) -> Iterator[Path]:
+    """A new folder for the runs' dirs: under `under`, kept (its path printed), or a temporary one."""
+    if under is None:
+        with tempfile.TemporaryDirectory(prefix="bench-period-") as tmp:
+            yield Path(tmp)
+        return
+    workdir = Path(tempfile.mkdtemp(prefix="bench-period-", dir=under))
+    print(f"run dirs: {workdir}")
+    yield workdir
 
 
 def main() -> None:
@@ -425,8 +445,7 @@ def main() -> None:
     print_load()
     results, verdicts = [], []
     try:
-        with tempfile.TemporaryDirectory(prefix="bench-period-") as tmp:
-            workdir = Path(tmp)
+        with keep_or_delete(args.workdir) as workdir:
             if "loopback" in args.part:
                 print("\n== part loopback: 2 local ranks, 2 replicas x 1 rank")
                 runner = Runner(args, workdir, None)

@@ -322,7 +322,8 @@ def test_a_checkpoint_of_every_earlier_version_reads_as_todays_format():
 
 
 PERIODIC, DILOCO = "v1/periodic_mlp_full", "v1/diloco_in_flight_sharded"
-EDITS = [  # (id, fixture, the edit of its meta.json: the path to a field and its new value, what the refusal names)
+EDITS = [  # (id, fixture, the edit of its meta.json: the path to a field and its new value, or several such; what the
+    # refusal names)
     ("negative taken", PERIODIC, ("clock", "taken", 1, -3), "clock.taken[1] is -3, but must be an integer >= 0"),
     ("done a string", PERIODIC, ("clock", "done", "16"), 'clock.done is "16", but must be an integer >= 0'),
     ("no replicas", PERIODIC, ("clock", "replicas", 0), "clock.replicas is 0, but must be an integer >= 1"),
@@ -334,7 +335,13 @@ EDITS = [  # (id, fixture, the edit of its meta.json: the path to a field and it
         ("cross_replica", "averager", "in_flight", "fragment", 2),
         "cross_replica.averager.in_flight.fragment is 2, but must be one of the 2 fragments' numbers",
     ),
-    ("a newer format", "v1/gpt_sharded", ("format", 3), "format is 3, but must be an integer from 0 to 2"),
+    ("a newer format", "v1/gpt_sharded", ("format", 4), "format is 4, but must be an integer from 0 to 3"),
+    (
+        "exchange time negative",
+        "v2/periodic_mlp_full",
+        (("format", 3), ("clock", "exchange_time", -1.0)),  # as today's code writes it, edited
+        "clock.exchange_time is -1.0, but must be a number of seconds >= 0, or null",
+    ),
     ("a v0 without its mesh", "v0/gpt_full", ("mesh", None), "mesh is None, but must be an object"),
 ]
 
@@ -350,11 +357,12 @@ def test_a_meta_json_edited_wrong_is_refused_naming_the_field(fixture, edit, exp
     copy = tmp_path / "edited" / step_dir.name
     copy.mkdir(parents=True)
     meta = json.loads((step_dir / "meta.json").read_text())
-    *path, key, value = edit
-    node = meta
-    for part in path:
-        node = node[part]
-    node[key] = value
+    for one in edit if isinstance(edit[0], tuple) else [edit]:
+        *path, key, value = one
+        node = meta
+        for part in path:
+            node = node[part]
+        node[key] = value
     (copy / "meta.json").write_text(json.dumps(meta))
     [error] = preflight(make(f"checkpoint.resume={copy}"), tmp_path / "run", copy)
     for text in (str(copy), "meta.json cannot be a checkpoint's", expected, "Fix: if meta.json was edited by hand"):

@@ -8,6 +8,7 @@ Versions (`format`; a file without it is 0 or 1, told apart by its `clock` part)
 - 1: the clock's part (2026-11-28): its inputs. A run's last period, cut to `train.steps`, ended without an
   exchange, so its last checkpoint may hold replicas part-way through a period of different lengths.
 - 2: a run's last step is an exchange (its last checkpoint holds one model); the version is written.
+- 3: the clock's part holds the exchanges' measured time (`exchange_time`: `averager.period=auto`'s input).
 
 `upgrade` turns any of them into today's before anything reads it, so the parts load today's format only;
 `problems` checks today's: a file edited by hand, or written wrong, is refused before any rank starts,
@@ -20,7 +21,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-FORMAT = 2  # the version this code writes
+FORMAT = 3  # the version this code writes
 MODES = ("full", "sharded")
 
 
@@ -39,6 +40,8 @@ def upgrade(meta: dict) -> dict:
         meta = _from_0(meta)
     if version(meta) == 1:
         meta = _from_1(meta)
+    if version(meta) == 2:
+        meta = _from_2(meta)
     return meta
 
 
@@ -102,7 +105,12 @@ def _from_1(meta: dict) -> dict:
         clock["taken"] = [0] * len(taken)
     if clock.get("first_loss") is not None and not math.isfinite(clock["first_loss"]):
         clock["first_loss"] = None
-    return {**meta, "clock": clock, "format": FORMAT}
+    return {**meta, "clock": clock, "format": 2}
+
+
+def _from_2(meta: dict) -> dict:
+    """No exchange was measured yet: `averager.period=auto` measures from the resumed run's exchanges."""
+    return {**meta, "clock": {**meta["clock"], "exchange_time": None}, "format": FORMAT}
 
 
 # -- the check --------------------------------------------------------------------------------------
@@ -141,7 +149,10 @@ OPTIONAL = {"config": DICT, "tensor_parts": LIST, "torch": TEXT, "bytes": NONNEG
 OPTIONAL |= {"data": DICT, "lr_scheduler": DICT}
 CLOCK = {"replicas": POSITIVE, "done": NONNEG, "taken": LIST, "syncs": NONNEG, "trained": LIST, "held": LIST}
 CLOCK |= {"step_times": LIST, "first_loss": NUMBER_OR_NULL, "first_loss_shared": BOOL}
-CLOCK |= {"exchange_loss": NUMBER_OR_NULL}
+CLOCK |= {
+    "exchange_loss": NUMBER_OR_NULL,
+    "exchange_time": Field(lambda v: v is None or _number(v) and v >= 0, "a number of seconds >= 0, or null"),
+}
 LR_SCHEDULER = {"last_epoch": INTEGER, "_step_count": NONNEG, "_last_lr": LIST, "base_lrs": LIST}
 
 
@@ -204,7 +215,9 @@ def _clock_problems(meta: dict) -> list[str]:
     clock = meta.get("clock")
     if not isinstance(clock, dict):
         return [_bad("clock", clock, "an object (the clock part: where the run stands)")]
-    found = _fields(clock, CLOCK, "clock.", required=True)
+    since = {"exchange_time": 3}  # a field's first version: an earlier one's clock part has not got it
+    fields = {key: rule for key, rule in CLOCK.items() if version(meta) >= since.get(key, 0)}
+    found = _fields(clock, fields, "clock.", required=True)
     n = clock.get("replicas") if POSITIVE.ok(clock.get("replicas")) else None
     found += _items(clock.get("taken"), NONNEG, "clock.taken", n)
     found += _items(clock.get("trained"), NONNEG, "clock.trained", n)
