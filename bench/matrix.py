@@ -1,5 +1,6 @@
 """The combination matrix (issue 50): a pairwise cover of averager x `averager.balance` x
-`averager.period_schedule` x layout x checkpoint mode x optimizer x `fault_tolerance` x extras, every
+the period's schedule (fixed, `averager.period_schedule=adacomm`, `averager.period=auto`) x layout x
+checkpoint mode x optimizer x `fault_tolerance` x extras, every
 value of each dimension in a row with every value of each other. A row passes when:
 
 - refused: composing or validating it fails before any rank starts, naming one of its keys (a pair that
@@ -9,7 +10,9 @@ value of each dimension in a row with every value of each other. A row passes wh
   from A's checkpoint nearest step 8, ends bit for bit where A ends (model, optimizer, RNG states, the
   averager's tensors, every replica's copy); run C, A's last checkpoint resumed with `train.steps=24`,
   trains to 24 and saves there; with an averager A and C end with an exchange (one model); with
-  `balance=time` the slowed replica was planned fewer local steps than the others.
+  `balance=time` the slowed replica was planned fewer local steps than the others. With `period=auto` every
+  exchange is 0.5 s slower (HARNESS_TEST_EXCHANGE_DELAY), so that auto, once it has measured, takes its
+  longest period (the row's averager.period as averager.max_period) on every run alike.
 
 The rows of one world run in one launch per world size (the harness's launcher, every run a job built
 and trained with `build_job` and `Trainer` after `validate` and `preflight`, as a launch makes, in a run
@@ -48,12 +51,13 @@ from harness.plan import RunPlan, plan_run
 from harness.preflight import preflight
 from harness.rng import seed_rank
 from harness.slowdown import ENV as SLOWDOWN
+from harness.slowdown import EXCHANGE_DELAY_ENV as EXCHANGE_DELAY
 from harness.validate import validate
 
 DIMS = {
     "averager": ["none", "periodic", "diloco", "streaming", "hierarchical"],
     "balance": ["steps", "time"],
-    "schedule": ["fixed", "adacomm"],
+    "schedule": ["fixed", "adacomm", "auto"],
     "layout": ["2x1", "ddp", "hsdp", "hsdp_zero2", "4x1"],
     "checkpoint": ["full", "sharded", "async"],
     "optimizer": ["sgd", "nesterov", "adamw", "in_backward"],
@@ -109,7 +113,9 @@ def refusals(row: dict) -> list[str]:
     answer for every refused row: `refused_by_the_harness`)."""
     why = []
     if row["averager"] == "none" and (row["balance"] != "steps" or row["schedule"] != "fixed"):
-        why.append("averager=none has no averager.balance or averager.period_schedule")
+        why.append("averager=none has no averager.balance, averager.period_schedule or averager.period")
+    if row["averager"] == "hierarchical" and row["schedule"] == "auto":
+        why.append("averager=hierarchical has no averager.period")
     if row["balance"] == "time" and row["layout"] == "ddp":
         why.append("balance=time with sharding=ddp")
     if row["averager"] == "hierarchical" and (row["schedule"] == "adacomm" or row["ft"] == "torchft"):
@@ -176,8 +182,11 @@ def overrides(row: dict) -> list[str]:
         keys.append(f"averager.warmup_steps={warmup}")
     if row["balance"] != "steps":
         keys.append(f"averager.balance={row['balance']}")
-    if row["schedule"] != "fixed":
-        keys.append(f"averager.period_schedule={row['schedule']}")
+    if row["schedule"] == "adacomm":
+        keys.append("averager.period_schedule=adacomm")
+    if row["schedule"] == "auto":  # its longest: the averager's period (none and hierarchical have none: refused)
+        period = next((k.split("=")[1] for k in keys if k.startswith("averager.period=")), None)
+        keys += ["averager.period=auto", *([f"averager.max_period={period}"] if period else [])]
     if row["ft"] == "torchft":
         keys.append("fault_tolerance=torchft")
     return keys
@@ -190,6 +199,13 @@ def slowdown(row: dict) -> str:
     replicas = LAYOUTS[row["layout"]][1]
     fast, slow = (ASYNC_FAST_S, ASYNC_SLOW_S) if row["checkpoint"] == "async" else (FAST_S, SLOW_S)
     return ",".join(f"{r}:{slow if r == replicas - 1 else fast}s" for r in range(replicas))
+
+
+def exchange_delay(row: dict) -> str:
+    """HARNESS_TEST_EXCHANGE_DELAY for the row: with period=auto each exchange 0.5 s slower, so that the period it
+    measures its way to is its longest (its steps take at most 0.5 s, padded or loaded: 0.5 x 0.9 / (0.1 x 0.5) = 9
+    local steps or more, past the rows' 4 per exchange)."""
+    return "0.5" if row["schedule"] == "auto" else ""
 
 
 def refused_by_the_harness(row: dict) -> str | None:
@@ -239,9 +255,10 @@ def worker(cfg: DictConfig, run_dir: Path, plan: RunPlan, rows: list[dict]) -> N
     """One rank: each row's three runs in turn, each a job of its own on these ranks."""
     with rank_env(cfg, run_dir) as env:
         for row in rows:
-            os.environ.pop(SLOWDOWN, None)
-            if slowdown(row):
-                os.environ[SLOWDOWN] = slowdown(row)
+            for knob, value in ((SLOWDOWN, slowdown(row)), (EXCHANGE_DELAY, exchange_delay(row))):
+                os.environ.pop(knob, None)
+                if value:
+                    os.environ[knob] = value
             runs = run_dir / name(row)
             for phase, keys, pick in phases(row):
                 resume = resume_point(runs / "a" / "checkpoints", pick)
@@ -264,6 +281,8 @@ def replica_groups(row: dict, runs: Path) -> None:
     """The row's three runs as `python train.py fault_tolerance=torchft` launches: B's run dir holds each group's
     checkpoint from inside A, C's each group's last (checkpoint.resume=auto takes them)."""
     env = {**os.environ, SLOWDOWN: slowdown(row)}
+    if exchange_delay(row):
+        env[EXCHANGE_DELAY] = exchange_delay(row)
     groups = LAYOUTS[row["layout"]][1]
     for phase, keys, pick in phases(row):
         if pick is not None:

@@ -218,14 +218,21 @@ def _paces(run: Run, replicas: list[str], ax_steps, ax_wait, replica: str = "rep
     steps, period = run.series(metrics.AVERAGER_PERIOD)
     ax_steps.plot(steps, period, color="black", lw=0.8, ls="--", drawstyle="steps-pre", label=metrics.AVERAGER_PERIOD)
     _labels(ax_steps, "Local steps per period, by replica", "step", "local steps")
-    _labels(ax_wait, "Wait at each exchange for the last replica", "step", "seconds")
+    steps, exchange = run.series(metrics.AVERAGER_EXCHANGE_TIME)  # period=auto: what it chose the period from
+    waits = "Wait at each exchange for the last replica"
+    if exchange:
+        ax_wait.plot(steps, exchange, color="black", lw=0.8, ls="--", label=f"{metrics.AVERAGER_EXCHANGE_TIME} (auto)")
+        waits += ", and the exchange's own time"
+    _labels(ax_wait, waits, "step", "seconds")
 
 
 def describe(config: dict) -> str:
     """The knobs a reader compares runs by, in one line."""
     model, optim, avg, shard = (config.get(k) or {} for k in ("model", "optimizer", "averager", "sharding"))
     averager = _class_name(avg) if avg.get("_target_") else "none (synchronous)"
-    if "period" in avg:
+    if str(avg.get("period")) == "auto":
+        averager += f", period auto (budget {avg.get('comm_budget')}), after {avg.get('warmup_steps')}"
+    elif "period" in avg:
         averager += f" every {avg.get('period')} steps after {avg.get('warmup_steps')}"
     return (
         f"{_class_name(model)} model, {_class_name(optim)} lr {optim.get('lr', '?')}, averager {averager}, "
