@@ -21,7 +21,10 @@ default here, as on CUDA), batches and process count:
 - with `--balance-time` (2 or more one-device replicas), also the harness with
   post-local SGD and `averager.balance=time` on equal replicas: the aten ops and
   host syncs of its steps between two exchanges (target: 0 host syncs; the
-  replicas meet, and the host waits, only at exchanges).
+  replicas meet, and the host waits, only at exchanges); with `--period-auto`
+  the same for `averager.period=auto` (its period held at the counted one by
+  `min_period` = `max_period`: it measures, and the host waits, at exchanges
+  only). One replica has no exchange: these need `--nproc 2` or more.
 
 How: the real Hydra config is composed (averager=none, wandb disabled, fp32
 params and reductions) and `--nproc` ranks are started with the harness's own
@@ -40,6 +43,7 @@ same work.
     python bench/overhead.py --nproc 1        # one device: the plain module against a plain loop
     python bench/overhead.py --strategy no_shard   # 2 synchronous one-device replicas: + against DDP
     python bench/overhead.py --strategy no_shard --balance-time  # + post-local SGD, balance=time, between exchanges
+    python bench/overhead.py --strategy no_shard --period-auto   # + post-local SGD, period=auto, between exchanges
     python bench/overhead.py --smoke   # 2 one-device replicas (every path but FSDP2 by hand), mlp, 2 rounds x 2 steps
 """
 
@@ -67,7 +71,7 @@ from harness.profiling import DispatchCounter
 
 TARGET, OPS_TARGET = 1.03, 1.05
 SMOKE = ["--nproc", "2", "--strategy", "no_shard", "--rounds", "2", "--steps-per-round", "2", "--count-steps", "2"]
-SMOKE += ["--model", "mlp", "--balance-time"]
+SMOKE += ["--model", "mlp", "--balance-time", "--period-auto"]
 
 
 def compose_config(args: argparse.Namespace) -> DictConfig:
@@ -97,14 +101,23 @@ def count_dispatch(steps, n: int) -> tuple[float, float]:
     return counter.total / n, counter.host_syncs / n
 
 
-def balanced(cfg: DictConfig, count_steps: int) -> DictConfig:
-    """`cfg` with post-local SGD whose replicas take their own local steps (balance=time), a period past
-    every step it trains after the first exchange (periodic: after the first step), so the counted ones are
-    between two exchanges."""
+PLANNED = {  # the plans counted between exchanges: each one's averager keys, given its period
+    "balance=time": lambda period: ["averager.balance=time"],
+    "period=auto": lambda period: [
+        "averager.period=auto",
+        f"averager.max_period={period}",
+        f"averager.min_period={period}",
+    ],
+}
+
+
+def planned(cfg: DictConfig, count_steps: int, name: str) -> DictConfig:
+    """`cfg` with post-local SGD whose periods are planned (`PLANNED[name]`), a period past every step it trains
+    after the first exchange (periodic: after the first step), so the counted ones are between two exchanges."""
     period = 2 + count_steps + 1
+    keys = ["averager=periodic", f"averager.period={period}", "averager.warmup_steps=0", *PLANNED[name](period)]
     with open_dict(cfg):
-        cfg.averager = compose(["averager=periodic", f"averager.period={period}", "averager.warmup_steps=0"]).averager
-        cfg.averager.balance = "time"
+        cfg.averager = compose(keys).averager
         cfg.train.steps = 2 + count_steps + 1
     return cfg
 
@@ -117,7 +130,7 @@ def worker(
     steps_per_round: int,
     count_steps: int,
     command: str,
-    balance: tuple[DictConfig, RunPlan] | None,
+    plans: list[tuple[str, DictConfig, RunPlan]],
 ) -> None:
     """One rank: the harness path and the hand-written ones side by side, in rotating rounds."""
     with rank_env(cfg, run_dir) as env:  # the harness logs as under train.py: stdout + train.log on rank 0
@@ -168,13 +181,12 @@ def worker(
             dist.all_reduce(diff, op=dist.ReduceOp.MAX)
             diffs[name] = diff.item()
 
-        if balance is not None:  # past the first exchange, then steps of a period
-            balanced_cfg, balanced_plan = balance
-            job = build_job(balanced_cfg, env, balanced_plan)
-            (run_dir / "balanced").mkdir(exist_ok=True)
-            with Trainer(job, balanced_cfg, env, run_dir / "balanced") as trainer:
+        for name, planned_cfg, planned_plan in plans:  # past the first exchange, then steps of a period
+            job = build_job(planned_cfg, env, planned_plan)
+            (run_dir / name).mkdir(exist_ok=True)
+            with Trainer(job, planned_cfg, env, run_dir / name) as trainer:
                 trainer.run(until=2)
-                counts["harness, balance=time"] = count_dispatch(lambda n: trainer.run(until=2 + n), count_steps)
+                counts[f"harness, {name}"] = count_dispatch(lambda n: trainer.run(until=2 + n), count_steps)
                 trainer.run()
 
         if env.is_main:
@@ -236,12 +248,13 @@ def report(cfg, env, job, times, orders, steps_per_round, command, diffs, counts
     ops_verdict = "ok" if h_ops / m_ops <= OPS_TARGET else "ABOVE TARGET"
     print(f"ops: harness/minimal = {h_ops / m_ops:.3f} (target <= {OPS_TARGET}) {ops_verdict}")
     print(f"host syncs per step that does not log: harness {h_syncs:g} (target 0) {'ok' if h_syncs == 0 else 'ABOVE'}")
-    if "harness, balance=time" in counts:
-        ops, syncs = counts["harness, balance=time"]
-        print(
-            f"balance=time, equal replicas, steps between exchanges: {ops:.0f} aten ops, {syncs:g} host syncs "
-            f"(target 0) {'ok' if syncs == 0 else 'ABOVE'}"
-        )
+    for name in PLANNED:
+        if f"harness, {name}" in counts:
+            ops, syncs = counts[f"harness, {name}"]
+            print(
+                f"{name}, equal replicas, steps between exchanges: {ops:.0f} aten ops, {syncs:g} host syncs "
+                f"(target 0) {'ok' if syncs == 0 else 'ABOVE'}"
+            )
 
 
 def main() -> None:
@@ -255,22 +268,28 @@ def main() -> None:
     parser.add_argument(
         "--balance-time", action="store_true", help="also count post-local SGD with balance=time between exchanges"
     )
+    parser.add_argument(
+        "--period-auto", action="store_true", help="also count post-local SGD with period=auto between exchanges"
+    )
     parser.add_argument("--smoke", action="store_true", help=f"{SMOKE_HELP}: {' '.join(SMOKE)}")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides, e.g. train.batch_size=16")
     args = parser.parse_args()
     if args.smoke:
         args = parser.parse_args([*SMOKE, *sys.argv[1:]])
+    if (args.balance_time or args.period_auto) and args.nproc < 2:
+        parser.error("--balance-time and --period-auto count steps between exchanges: one replica has none (--nproc 2)")
     cfg = compose_config(args)
     command = " ".join(["python", *sys.argv])
     with tempfile.TemporaryDirectory(prefix="harness-bench-") as tmp:
         run_dir = Path(tmp)
         plan = check(cfg, args.nproc, run_dir)
-        balance = None
-        if args.balance_time:
-            balanced_cfg = balanced(cfg.copy(), args.count_steps)
-            balance = balanced_cfg, check(balanced_cfg, args.nproc, run_dir / "balanced")
+        plans = []
+        for name, wanted in (("balance=time", args.balance_time), ("period=auto", args.period_auto)):
+            if wanted:
+                planned_cfg = planned(cfg.copy(), args.count_steps, name)
+                plans.append((name, planned_cfg, check(planned_cfg, args.nproc, run_dir / name)))
         counts = (args.rounds, args.steps_per_round, args.count_steps)
-        launch(cfg, run_dir, plan, worker, *counts, command, balance)
+        launch(cfg, run_dir, plan, worker, *counts, command, plans)
     print("bench/overhead.py: done")
 
 
