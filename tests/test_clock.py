@@ -15,7 +15,15 @@ import pytest
 import torch
 
 from harness.clock import Clock, Schedule, Tick
-from harness.clock.rules import adacomm_period, balanced_local_steps, fit_to_remaining, level_meeting, mean_weight
+from harness.clock.rules import (
+    adacomm_period,
+    auto_period,
+    balanced_local_steps,
+    exchange_share,
+    fit_to_remaining,
+    level_meeting,
+    mean_weight,
+)
 
 from support import REPO, check_ok, read_metrics, run_cli
 
@@ -29,6 +37,13 @@ def test_the_rules_by_hand():
     assert adacomm_period(0.01, 4.0, 32, 4) == 4
     assert adacomm_period(9.0, 4.0, 32, 1) == 32  # a loss above the first never lengthens the period
     assert adacomm_period(math.nan, 4.0, 32, 1) == 32
+    # period=auto: the fewest steps k with e / (k·s + e) <= budget, within [shortest, longest]; the shortest
+    # until both times are measured
+    assert auto_period(0.3, 0.06, 0.1, 1, 64) == 45 and exchange_share(0.3, 0.06, 45) <= 0.1
+    assert exchange_share(0.3, 0.06, 44) > 0.1
+    assert auto_period(0.09, 0.1, 0.1, 1, 64) == 9  # exactly at the budget: not one more for a float's noise
+    assert auto_period(0.001, 0.1, 0.1, 2, 64) == 2 and auto_period(10.0, 0.01, 0.1, 1, 64) == 64
+    assert auto_period(None, 0.1, 0.1, 3, 64) == 3 and auto_period(0.1, None, 0.1, 3, 64) == 3
     # the fastest takes the period; within the dead band (25 %) too; the rest what fits in its time
     assert balanced_local_steps(8, [1.0, 2.0, 1.2, 8.0, 100.0]) == [8, 4, 8, 1, 1]
     assert balanced_local_steps(8, [1.0, None]) == [8, 8]
