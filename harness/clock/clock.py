@@ -439,7 +439,7 @@ class Clock:
         f, budget = self.schedule.fragments, self.schedule.comm_budget
         chose = f"averager.period=auto: period {stride * f}"
         if self.exchange_time is None or step_s is None:
-            return f"{chose} (the shortest, averager.min_period) until an exchange and a period's steps are measured"
+            return f"{chose} (the shortest it may take) until an exchange and a period's steps are measured"
         share = exchange_share(self.exchange_time, step_s, stride)
         bound = ""
         if stride == self.min_stride:
