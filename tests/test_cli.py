@@ -35,6 +35,7 @@ def test_mission_command_under_torchrun_writes_one_run_dir_with_metrics_and_wand
         "train.steps=12",
         "train.log_every=3",
         "train.eval_every=4",
+        "train.eval_batches=64",  # an eval pass many steps long: the step time leaves it out
         "model.n_layer=2",
     ]
     proc = run_cli(args, cli_env, tmp_path, torchrun_nproc=2, script=REPO / "tests" / "probes" / "delayed_rank.py")
@@ -64,6 +65,10 @@ def test_mission_command_under_torchrun_writes_one_run_dir_with_metrics_and_wand
     ):
         assert all(key in r for r in log_rows), key
     assert all(r["averager/drift"] > 0 for r in rows if r["averager/averaged"])
+    # step 12 logs 3 steps and evaluates: its step time is theirs alone (it held the eval: a third of it or more)
+    [last] = [r for r in rows if r["step"] == 12]
+    assert all("eval/time_s" in r for r in rows if "eval/loss" in r)
+    assert last["train/step_time_s"] < last["eval/time_s"] / 3, last
     assert "step 12/12 | loss" in proc.stdout and "tok/s" in proc.stdout
     # eval/loss on the console: on the progress line of a log step that evaluates, on its own line otherwise
     for step in (4, 8, 12):
