@@ -22,39 +22,54 @@ thread per rank, on three links:
 
 Time is read as bench/uneven.py reads it, from rank 0's metrics.jsonl: a run's wall time at a step is the sum
 of `train/step_time_s` x steps over its log rows from step 1 on (training and exchanges; not process start-up,
-the first step's own start-up, eval passes or saves). Per link, T = the shortest total training wall time of
-any run of that link (every config, every seed): every run's held-out curve reaches T, so no loss is
-extrapolated, and T is the longest wall time at which all of them can be compared. Each run's held-out loss at
-T is interpolated linearly between its evals (between exchanges an eval is the replicas' mean loss, each
-scored on the same batches; every run ends with an exchange). Reported per link and config: the median over
-seeds of the loss at T, its ratio to the best fixed period's, which fixed period is best and which worst, the
-median total wall time, exchanges and the measured exchange share (sum of `averager/time_s` over the wall
-time); for `auto`, the periods it took (`averager/period` of its exchange rows, with the measured
-`averager/exchange_share` that planned each) over time: seed 0's changes and the median over seeds of each
-run's median period. Seeds run in turn, configs in reverse order every other seed (A B A ...), against drift.
+the first step's own start-up, eval passes or saves). Equal wall time: for each seed, T = the shortest total
+training wall time among that seed's runs on the link (every config). Every run's held-out curve reaches its
+seed's T, so no loss is extrapolated; the runs compared at one T share initial weights and data order, and
+ran back to back, so they shared the host's load more than runs minutes apart do (on the shared 2-core machine
+one config's total wall time moved by up to 1.6x between seeds with the load). The `at T min` column scores
+every run at the link's single shortest run instead (one T for every seed), for comparison. Each
+run's held-out loss at T is interpolated linearly between its evals. Caveat: between exchanges an eval is the
+replicas' mean loss, each replica scored alone, while every run ends with an exchange, so the run that sets
+its seed's T is scored on its averaged model (a bonus of averaging that longer periods would also get if they
+stopped there).
+
+Reported per link and config: the median over seeds of the loss at T, its ratio to the best fixed period's
+(which fixed period is best, which worst), the losses per seed, the median total wall time, final loss,
+exchanges and exchange share (the sum of `averager/time_s` over the wall time); for `auto`, the periods it took
+(`averager/period` of its exchange rows: the period each exchange ended, with its `averager/exchange_share`):
+seed 0's changes, the median over seeds at each exchange, and each seed's median period (its last, cut to the
+run's end, left out). Seeds run in turn, configs in reverse order every other seed (A B A ...), against drift.
+The train.py / torchrun command is printed once per part.
 
 Targets, printed as met / not met with the measured gap: `auto` within 1 % of the best fixed period's held-out
-loss at equal wall time on every link, never the worst config, and on loopback a short period (the median
-period it took <= 4).
+loss at equal wall time on every link, below the worst fixed period's, and on loopback a short period (the
+median over seeds of its median period <= 4).
 
-`auto` needs a harness that takes `averager.period=auto`: the bench asks train.py first (`--cfg job`) and,
-where it refuses the key, runs the fixed periods alone and says so.
-
-Observed on this 2-core CPU machine (quiet, 2026-11-29): a step takes about 0.06 s on loopback (one averaging
-of the 3.3 MB about 0.01 s); TODO link figures.
+Observed on this 2-core CPU machine (2026-11-29, load 0.5-3.5 from another test suite): a local step takes
+0.06-0.07 s quiet (0.055-0.10 s over the runs; 300 steps of period 64 took 16-28 s of training wall time); an
+exchange of the 3.3 MB holds training up about 0.015 s on loopback, 0.026 s at 1gbit and 0.29 s at 100mbit,
+so period 1 spends 13 %, 26 % and 80 % of its wall time in exchanges there, and the 10 synchronous warmup
+steps cost 2.9 s at 100mbit (a gradient all-reduce of the same bytes each). Start-up adds about 8 s a run on
+loopback and 10-12 s over the link (a torchrun per namespace).
 
     python bench/period.py [--part loopback,link] [--rates 1gbit,100mbit] [--periods 1,4,16,64] [--seeds 3]
-                           [--steps 300] [--eval-every 20] [--eval-batches 8] [--plot period.png]
-                           [hydra overrides for every run ...]
-    python bench/period.py --smoke   # loopback only, 1 seed, periods 1,4 (and auto), a 1-block GPT, a few steps
+                           [--steps 300] [--warmup 10] [--eval-every 20] [--eval-batches 8]
+                           [--workdir DIR] [--plot period.png] [hydra overrides for every run ...]
+    python bench/period.py --smoke   # loopback only, 1 seed, periods 1,4 and auto, a 1-block GPT, 12 steps
 
-A full run (both parts, 5 configs, 3 seeds: 45 runs) takes about TODO minutes on the 2-core machine; the total
-is printed at the end.
+A full run (both parts, 5 configs, 3 seeds: 45 runs) took 1,478 s (25 min) on the 2-core machine at load 1-2
+(the fixed periods alone, 36 runs at load 2-3.5: 1,531 s); the total is printed at the end. That run (harness
+46b1a33): auto within 1 % of the best fixed period on each link (loopback +0.66 % of period 4's 2.6735, taking
+periods 2-3; 1gbit +0.87 % of period 4's 2.7095, taking 4-6, once 17-18 after one slow exchange; 100mbit
++0.16 % of period 64's 2.7503, taking 47-59), below the worst (period 1) everywhere. `--plot` draws, per link,
+the period `auto` took against wall time (every seed) and the held-out loss against wall time (seed 0, every
+config, T marked).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import shlex
@@ -92,6 +107,7 @@ SMOKE = "--part loopback --seeds 1 --periods 1,4 --steps 12 --warmup 2 --eval-ev
 SMOKE_OVERRIDES = "model.n_layer=1 model.d_model=32 train.batch_size=2 train.seq_len=32 data.max_bytes=1000000".split()
 LOSS_TARGET = 0.01  # auto within 1 % of the best fixed period's held-out loss at equal wall time
 SHORT_PERIOD = 4  # on loopback, auto's median period at most this
+SHOWN = 12  # auto's period changes printed, of seed 0
 
 
 @dataclass(frozen=True)
@@ -149,16 +165,17 @@ def periods_taken(run: Run) -> list[tuple[int, int, float | None]]:
     return [(r["train/step"], r["averager/period"], r.get("averager/exchange_share")) for r in run.exchanges()]
 
 
-def run_lengths(values: list) -> str:
-    """1,1,1,4,4 -> '1 x3, 4 x2'."""
-    out, i = [], 0
-    while i < len(values):
-        j = i
-        while j < len(values) and values[j] == values[i]:
-            j += 1
-        out.append(f"{values[i]:g} x{j - i}" if j - i > 1 else f"{values[i]:g}")
-        i = j
-    return ", ".join(out)
+def by_tenth(taken: list[list[tuple[int, int, float | None]]]) -> str:
+    """The median period of the exchanges (every seed's) whose step falls in each tenth of the run's steps:
+    'steps 1-30: 1, 31-60: 3, ...'."""
+    steps = max(t[-1][0] for t in taken)
+    bounds = [round(steps * k / 10) for k in range(11)]
+    out = []
+    for lo, hi in zip(bounds, bounds[1:]):
+        periods = [p for t in taken for s, p, _ in t if lo < s <= hi]
+        if hi > lo:
+            out.append(f"{lo + 1}-{hi}: {statistics.median(periods):g}" if periods else f"{lo + 1}-{hi}: -")
+    return "steps " + ", ".join(out)
 
 
 # ------------------------------------------------------------------ running
@@ -217,16 +234,6 @@ class Runner:
             raise RunFailed(f"{name} {config.label} seed {seed}: no {metrics}")
         rows = [json.loads(line) for line in metrics.read_text().splitlines()]
         return Run(config.label, rows, run_dir)
-
-
-def auto_available(args: argparse.Namespace) -> str | None:
-    """None where train.py takes `averager.period=auto` with the bench's keys, else why not."""
-    cmd = [sys.executable, "train.py", *SETTINGS, f"averager.period={AUTO}", *args.overrides, "--cfg", "job"]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
-    if done.returncode == 0 and "harness:" not in done.stdout + done.stderr:
-        return None
-    lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
-    return lines[0] if lines else f"exit {done.returncode}"
 
 
 # ------------------------------------------------------------------ one link
@@ -305,16 +312,21 @@ def report(result: LinkResult) -> list[str]:
         return [f"{result.name}: auto's periods not in its metrics: not met"]
     changes = [(s, p, e) for i, (s, p, e) in enumerate(taken[0]) if i == 0 or p != taken[0][i - 1][1]]
     share = lambda e: "" if e is None else f" ({e:.1%})"  # noqa: E731
+    more = f", ... ({len(changes) - SHOWN} changes more)" if len(changes) > SHOWN else ""
     print(
-        "  auto, seed 0, from step: period (the measured exchange share that planned it): "
-        + ", ".join(f"{s}: {p}{share(e)}" for s, p, e in changes)
+        "  auto, seed 0, the period each exchange ended where it changed (step: period (averager/exchange_share)): "
+        + ", ".join(f"{s}: {p}{share(e)}" for s, p, e in changes[:SHOWN])
+        + more
     )
-    longest = max(map(len, taken))
-    per_exchange = [statistics.median(t[i][1] for t in taken if i < len(t)) for i in range(longest)]
-    print(f"  auto, median over seeds of the period at each exchange: {run_lengths(per_exchange)}")
-    medians = [statistics.median(p for _, p, _ in t) for t in taken]
+    counts = collections.Counter(p for _, p, _ in taken[0])
+    print(f"  auto, seed 0, exchanges per period: {', '.join(f'{p}: {n}' for p, n in sorted(counts.items()))}")
+    print(f"  auto, median over seeds of the periods ended in each tenth of the run: {by_tenth(taken)}")
+    medians = [statistics.median(p for _, p, _ in t[:-1] or t) for t in taken]  # the last: cut to the run's end
     period = statistics.median(medians)
-    print(f"  auto, each seed's median period: {', '.join(f'{m:g}' for m in medians)}; their median {period:g}")
+    print(
+        f"  auto, each seed's median period (its last, cut to the run's end, left out): "
+        f"{', '.join(f'{m:g}' for m in medians)}; their median {period:g}"
+    )
     gap = median[auto] / median[best] - 1
     verdicts = [
         f"{result.name}: auto {median[auto]:.4f} against the best fixed period ({best.period}) {median[best]:.4f}: "
@@ -388,7 +400,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=at_least(0), default=10, help="averager.warmup_steps (the job's 10)")
     parser.add_argument("--eval-every", type=at_least(1), default=20, help="train.eval_every (and log_every)")
     parser.add_argument("--eval-batches", type=at_least(1), default=8, help="train.eval_batches")
-    parser.add_argument("--no-auto", action="store_true", help="fixed periods only, even where auto exists")
     parser.add_argument(
         "--workdir",
         type=directory,
@@ -432,11 +443,7 @@ def main() -> None:
     for sig in (signal.SIGTERM, signal.SIGHUP):  # so the `with` blocks still clean up (namespaces, temp dir)
         signal.signal(sig, lambda signum, frame: sys.exit(f"bench/period.py: got signal {signum}, cleaning up"))
     configs = [Config(f"period {p}", p) for p in args.periods]
-    why_not = "--no-auto" if args.no_auto else auto_available(args)
-    if why_not is None:
-        configs.append(Config(AUTO, AUTO))
-    else:
-        print(f"auto: not run ({why_not}); fixed periods only")
+    configs.append(Config(AUTO, AUTO))
     print(
         f"{len(configs)} configs ({', '.join(c.label for c in configs)}) x {args.seeds} seed(s), {args.steps} steps, "
         f"warmup {args.warmup}, eval every {args.eval_every} steps ({args.eval_batches} batches); "
