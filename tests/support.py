@@ -41,7 +41,7 @@ def checkpoint_meta(step: int, replicas: int = 2, **fields) -> dict:
 
     clock = {"replicas": replicas, "done": step * replicas, "taken": [0] * replicas, "syncs": 0}
     clock |= {"trained": [step] * replicas, "held": [[0] * replicas], "step_times": [None] * replicas}
-    clock |= {"first_loss": None, "first_loss_shared": True, "exchange_loss": None}
+    clock |= {"first_loss": None, "first_loss_shared": True, "exchange_loss": None, "exchange_time": None}
     meta = {"format": FORMAT, "step": step, "mode": "full", "world_size": replicas, "replica_copies": 1}
     meta |= {"mesh": {"replicate": replicas, "shard": 1}, "clock": clock, "data": {"samples": 0}}
     return {**meta, **fields}

@@ -95,6 +95,7 @@ def inputs(replicas: int, step: int, times: list[float | None], fragments: int =
         "first_loss": None,
         "first_loss_shared": True,
         "exchange_loss": None,
+        "exchange_time": None,
     }
 
 

@@ -651,7 +651,7 @@ class Clock:
         count keeps the global step and starts the period under way afresh where the replicas were apart."""
         n, saved = self.replicas, state["replicas"]
         self.syncs, self.exchange_loss = state["syncs"], state["exchange_loss"]
-        self.exchange_time = state.get("exchange_time")  # absent before format 3: not measured yet
+        self.exchange_time = state["exchange_time"]
         self.first_loss = state["first_loss"]
         self.first_loss_shared = state["first_loss_shared"] or self.sum_over_replicas is None
         taken = list(state["taken"])

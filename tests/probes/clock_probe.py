@@ -30,6 +30,7 @@ def main(out: str) -> None:
     # the last step of a period of 4 local steps each (the second: measured), F0 = 4
     state = {"step": 7, "replicas": 2, "done": 8, "taken": [3, 3], "syncs": 1, "trained": [4, 4], "held": [[0, 0]]}
     state |= {"step_times": [None, None], "first_loss": 4.0, "first_loss_shared": True, "exchange_loss": None}
+    state |= {"exchange_time": None}
     clock.load_state_dict(state)
     # 0.1 s a step on rank 0, 0.15 on rank 1: 2 of adacomm's 3 steps, far from round()'s boundary (at 0.2, 1.5
     # steps, a loaded host's delay before `computed` tipped the plan to 1)
