@@ -570,8 +570,8 @@ AUTO = [*layout(2), "averager=periodic", "averager.period=auto", "averager.warmu
 
 @pytest.mark.slow
 def test_period_auto_follows_the_link_and_a_resume_follows_the_budget_and_the_link(tmp_path, cli_env):
-    """averager.period=auto on 2 replicas whose steps take 0.05 s (HARNESS_TEST_SLOWDOWN): over loopback it
-    exchanges often; with every exchange 0.2 s slower (HARNESS_TEST_EXCHANGE_DELAY) it takes the period that
+    """averager.period=auto on 2 replicas whose steps take 0.05 s (HARNESS_TEST_SLOWDOWN): with every exchange
+    0.2 s slower than loopback's (HARNESS_TEST_EXCHANGE_DELAY) it takes the period that
     keeps exchanges within comm_budget 0.1, e ~ 0.2 s: ⌈0.2·0.9/(0.1·0.05)⌉ = 36 local steps, and its rows say
     so (period, exchange time, share). The replicas always take the same steps. Its checkpoint inside a period
     resumed with nothing changed ends that period as planned; resumed with comm_budget=0.5 its periods shrink to
@@ -579,15 +579,11 @@ def test_period_auto_follows_the_link_and_a_resume_follows_the_budget_and_the_li
     exchanges' smoothed time falls."""
     pace = {**cli_env, "HARNESS_TEST_SLOWDOWN": "0:0.05s,1:0.05s"}
     slow = {**pace, "HARNESS_TEST_EXCHANGE_DELAY": "0.2"}
-    check_ok(run_cli([*AUTO, "train.steps=40", "hydra.run.dir=loopback"], pace, tmp_path))
     check_ok(run_cli([*AUTO, "train.steps=80", "checkpoint.interval=50", "hydra.run.dir=slow"], slow, tmp_path))
-    fast, slowed = exchanges(tmp_path / "loopback"), exchanges(tmp_path / "slow")
-    for row in fast + slowed:  # every replica the same steps
-        assert row["replica/local_steps/0"] == row["replica/local_steps/1"], row
+    slowed = exchanges(tmp_path / "slow")
     planned = slowed[3:-1]  # from the first period planned on measured times, the run's cut last left out
     assert planned and all(24 <= r["averager/period"] <= 48 for r in planned), [r["averager/period"] for r in slowed]
     assert all(0.15 < r["averager/exchange_s"] < 0.4 and r["averager/exchange_share"] < 0.15 for r in planned)
-    assert max(r["averager/period"] for r in fast[3:-1]) < 16, [r["averager/period"] for r in fast]
     middle = tmp_path / "slow" / "checkpoints" / "step_50"
     resume = [*AUTO, "train.steps=120", f"checkpoint.resume={middle}"]
     check_ok(run_cli([*resume, "train.steps=80", "hydra.run.dir=same"], slow, tmp_path))
@@ -598,4 +594,6 @@ def test_period_auto_follows_the_link_and_a_resume_follows_the_budget_and_the_li
     assert budget and all(r <= 8 for r in budget), budget
     check_ok(run_cli([*resume, "train.steps=200", "hydra.run.dir=link"], pace, tmp_path))
     link = [r["averager/period"] for r in exchanges(tmp_path / "link")[1:-1]]
-    assert len(link) >= 3 and link[0] >= 24 and link[-1] < 16, link
+    assert len(link) >= 3 and link[0] >= 24 and link[-1] < 16, link  # over loopback it exchanges often
+    for run in ("slow", "same", "budget", "link"):  # every replica the same steps
+        assert all(r["replica/local_steps/0"] == r["replica/local_steps/1"] for r in exchanges(tmp_path / run)), run
