@@ -559,14 +559,9 @@ class PaceConf:
     max_period: int = 64
     # period=auto: the share of wall time exchanges may hold training up (docs/configuration.md#choosing-a-period)
     comm_budget: float = 0.1
-    RESUME: ClassVar[Dict[str, Resume]] = {
-        **dict.fromkeys(("balance", "period_schedule", "min_period", "max_period"), PLAN),
-        "comm_budget": Resume(
-            OnResume.replanned,
-            "the period under way planned again from its start with the new budget and the saved measurements "
-            "(a replica past its new share takes one more step, then the exchange)",
-        ),
-    }
+    RESUME: ClassVar[Dict[str, Resume]] = dict.fromkeys(
+        ("balance", "period_schedule", "min_period", "max_period", "comm_budget"), PLAN
+    )
 
 
 @dataclass

@@ -36,24 +36,17 @@ SCHEDULE_KEYS = (
     "max_period",
     "comm_budget",
 )
-AUTO = "auto"  # `averager.period=auto`: the clock chooses each period from what exchanges cost
 
 
 def pace_keys(cfg: DictConfig) -> dict:
     """The keys every averager's schedule takes from `averager.balance`, `period_schedule`, `min_period`, and
     `period=auto`'s `comm_budget`."""
-    auto = str(cfg.get("period")) == AUTO
     return {
         "balance": str(cfg.get("balance", "steps")),
-        "period_schedule": AUTO if auto else str(cfg.get("period_schedule", "fixed")),
+        "period_schedule": config_rules.AUTO if config_rules.is_auto(cfg) else str(cfg.get("period_schedule", "fixed")),
         "min_period": cfg.get("min_period", 1),
         "comm_budget": cfg.get("comm_budget", 0.1),
     }
-
-
-def period(cfg: DictConfig) -> int:
-    """The averager's period in local steps: `averager.period`, or under `period=auto` the longest it may take."""
-    return cfg.max_period if str(cfg.period) == AUTO else cfg.period
 
 
 class ReplicaAverager(ModelAverager):
@@ -92,7 +85,7 @@ class ReplicaAverager(ModelAverager):
     def schedule(cls, cfg: DictConfig) -> Schedule:
         """When it exchanges: after the first local step past warmup, then every `period` (PyTorch's
         `PeriodicModelAverager`)."""
-        return Schedule(warmup=cfg.warmup_steps, period=period(cfg), first=1, **pace_keys(cfg))
+        return Schedule(warmup=cfg.warmup_steps, period=config_rules.period_of(cfg)[1], first=1, **pace_keys(cfg))
 
     @property
     def step(self) -> int:

@@ -35,8 +35,9 @@ def is_auto(avg: DictConfig) -> bool:
 
 
 def period_of(avg: DictConfig) -> tuple[str, int]:
-    """The key and value the period rules read: `averager.period`, or under `period=auto` `averager.max_period`
-    (the longest it may take); (key, 0) where it is not a number (`_period_errors` says why)."""
+    """The key and value the period rules and the averagers' schedules read: `averager.period`, or under
+    `period=auto` `averager.max_period` (the longest it may take); (key, 0) where it is not a number
+    (`_period_errors` says why)."""
     key = "max_period" if is_auto(avg) else "period"
     value = avg.get(key, 0)
     return f"averager.{key}", value if isinstance(value, int) and not isinstance(value, bool) else 0

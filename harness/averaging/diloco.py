@@ -40,7 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from harness import metrics
 from harness.averaging import config_rules
-from harness.averaging.averagers import ReplicaAverager, pace_keys, period
+from harness.averaging.averagers import ReplicaAverager, pace_keys
 from harness.averaging.collectives import MeanInFlight, buckets, mean_over_group, start_mean_over_group
 from harness.averaging.link import ReplicaLink
 from harness.averaging.traffic import CrossReplicaTraffic
@@ -83,10 +83,11 @@ class DiLoCoAverager(ReplicaAverager):
     def schedule(cls, cfg: DictConfig) -> Schedule:
         """A sync every period/fragments local steps, the fragments in turn, the first after a whole stride
         (the paper's Algorithm 1, torchft's `DiLoCo`), each applied `sync_delay` local steps after it starts."""
+        period = config_rules.period_of(cfg)[1]  # under period=auto: the longest
         return Schedule(
             warmup=cfg.warmup_steps,
-            period=period(cfg),
-            first=period(cfg) // cfg.fragments,
+            period=period,
+            first=period // cfg.fragments,
             fragments=cfg.fragments,
             sync_delay=cfg.sync_delay,
             **pace_keys(cfg),
@@ -112,10 +113,7 @@ class DiLoCoAverager(ReplicaAverager):
 
     def apply_delayed(self) -> None:
         fragments = self.outer.in_flight.fragments
-        start = time.perf_counter()
-        applied = self.finish_sync(at_own_step=self.delayed)
-        self.clock.held_up(time.perf_counter() - start)  # what the delay did not hide
-        if applied:
+        if self.finish_sync(at_own_step=self.delayed, held_up=True):
             for fragment in fragments:
                 self.clock.applied(fragment, delayed=True)
 
@@ -171,22 +169,26 @@ class DiLoCoAverager(ReplicaAverager):
         self.outer.in_flight.blocked_s = time.perf_counter() - start
         self.traffic.add_averaging(sum(c.nbytes for c in self.outer.in_flight.collectives))
 
-    def finish_sync(self, sync: SyncInFlight | None = None, at_own_step: bool = False) -> bool:
+    def finish_sync(self, sync: SyncInFlight | None = None, at_own_step: bool = False, held_up: bool = False) -> bool:
         """Wait for the fragment's mean pseudo-gradient (of the sync in flight, or `sync`), take
         the outer step, set the fragment's parameters, and report the sync on this step's row (or,
         `at_own_step`, a delayed sync applied at this replica's own step where periods may change:
-        on the next exchange's). False when it did not commit (fault tolerance): dropped, θ_outer
+        on the next exchange's). `held_up`: applied inside a period, where the time it holds training up
+        is the clock's (`Clock.held_up`). False when it did not commit (fault tolerance): dropped, θ_outer
         unchanged."""
         if sync is None:
             sync, self.outer.in_flight = self.outer.in_flight, None
         device = self.outer.tensors[0].device
-        synchronize(device)
+        synchronize(device)  # the step's own kernels first (CUDA): what follows is the sync's wait and outer step
         start = time.perf_counter()
         sums = self.outer.finish_sync(sync, self.mix)
+        if sums is not None:
+            synchronize(device)
+        if held_up:  # what the delay did not hide
+            self.clock.held_up(time.perf_counter() - start)
         if sums is None:
             self.uncommitted, self.failed_sync = True, sync
             return False
-        synchronize(device)
         if self.clock.plans and at_own_step:  # see `unreported`
             self.unreported = (sync.fragment, sync.blocked_s + time.perf_counter() - start, sums)
             return True

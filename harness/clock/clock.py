@@ -481,7 +481,9 @@ class Clock:
             completed = [int(k) for k in figures["completed"]]
             summed = torch.tensor(figures["carried"], dtype=torch.float64) if carried is not None else None
             staged = figures
-        if self.auto:  # every replica is here: from now the exchange holds each up, waiting for none
+        # every replica is here, and the figures' host read waited for this device's queue (on CUDA the step's
+        # optimizer kernels): from now the exchange holds each up, waiting for no peer and no compute
+        if self.auto:
             self.exchange_began = self.now()
         if self.exchange_delay_s:
             time.sleep(self.exchange_delay_s)
